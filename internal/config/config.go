@@ -1,0 +1,360 @@
+// Package config loads Capstan's configuration from a YAML file and
+// CAPSTAN_* environment variables (viper; this is the only package that
+// imports it), applies defaults and validates everything at start with
+// errors that name the key.
+//
+// Environment variables map to keys by upper-casing and replacing "." with
+// "_": CAPSTAN_DATABASE_URL sets database.url, CAPSTAN_KAFKA_BROKERS sets
+// kafka.brokers (comma-separated). DATABASE_URL and KAFKA_BROKERS are also
+// honoured when the CAPSTAN_ forms are unset.
+package config
+
+import (
+	"errors"
+	"fmt"
+	"net/url"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/go-viper/mapstructure/v2"
+	"github.com/spf13/viper"
+
+	"github.com/capstan-dev/capstan/internal/execution"
+)
+
+// Config is the whole configuration; each daemon reads its own section.
+type Config struct {
+	Database     Database     `mapstructure:"database"`
+	Kafka        Kafka        `mapstructure:"kafka"`
+	Gateway      Gateway      `mapstructure:"gateway"`
+	Dispatcher   Dispatcher   `mapstructure:"dispatcher"`
+	Consumer     Consumer     `mapstructure:"consumer"`
+	Router       Router       `mapstructure:"router"`
+	Log          Log          `mapstructure:"log"`
+	Capabilities []Capability `mapstructure:"capabilities"`
+	// MaxAsyncBudget caps any release's async_budget. Default 24h.
+	MaxAsyncBudget time.Duration `mapstructure:"max_async_budget"`
+}
+
+// Database configures PostgreSQL.
+type Database struct {
+	// URL is a libpq URL, e.g. postgres://user@host:5432/capstan. Required.
+	URL string `mapstructure:"url"`
+	// MigrateOnStart applies pending migrations when a daemon starts.
+	// Default false (use `capstanctl migrate` or the migration Job).
+	MigrateOnStart bool `mapstructure:"migrate_on_start"`
+}
+
+// Kafka configures the Kafka client.
+type Kafka struct {
+	// Brokers are the seed brokers, host:port. Required.
+	Brokers []string `mapstructure:"brokers"`
+	// ExecutionTopic carries dispatch records. Default "capstan.executions".
+	ExecutionTopic string `mapstructure:"execution_topic"`
+	// ExecutionPartitions is used when the topic has to be created. Default 8.
+	ExecutionPartitions int32 `mapstructure:"execution_partitions"`
+}
+
+// Gateway configures cmd/gateway.
+type Gateway struct {
+	// Listen is the gRPC address. Default ":7233".
+	Listen string `mapstructure:"listen"`
+	// AdminListen serves /healthz and /readyz over HTTP. Default ":7234"; "" disables.
+	AdminListen string `mapstructure:"admin_listen"`
+	// DispatcherAddr is the dispatcher's gRPC address for nudges; "" disables nudges.
+	DispatcherAddr string `mapstructure:"dispatcher_addr"`
+	// MaxInputBytes bounds InvokeCapability input. Default 262144 (256 KiB), max 16 MiB.
+	MaxInputBytes int `mapstructure:"max_input_bytes"`
+	// NudgeTimeout bounds one nudge. Default 200ms.
+	NudgeTimeout time.Duration `mapstructure:"nudge_timeout"`
+}
+
+// Dispatcher configures cmd/dispatcher.
+type Dispatcher struct {
+	// Listen is the gRPC address (Nudge). Default ":7235".
+	Listen string `mapstructure:"listen"`
+	// AdminListen serves /healthz and /readyz. Default ":7236".
+	AdminListen string `mapstructure:"admin_listen"`
+	// PassInterval is the longest wait between scheduled passes. Default 1s.
+	PassInterval time.Duration `mapstructure:"pass_interval"`
+	// BatchSize is the most records claimed per pass. Default 500.
+	BatchSize int `mapstructure:"batch_size"`
+	// ClaimTTL is how long a claim lasts before another dispatcher may take
+	// the record again. Default 30s.
+	ClaimTTL time.Duration `mapstructure:"claim_ttl"`
+	// Lookahead publishes records due within this window early. Default 0.
+	Lookahead time.Duration `mapstructure:"lookahead"`
+}
+
+// Consumer configures cmd/consumer.
+type Consumer struct {
+	// AdminListen serves /healthz and /readyz. Default ":7237".
+	AdminListen string `mapstructure:"admin_listen"`
+	// Group is the Kafka consumer group. Default "capstan-consumer".
+	Group string `mapstructure:"group"`
+	// MaxInFlight bounds attempts running at once per process. Default 256.
+	MaxInFlight int `mapstructure:"max_in_flight"`
+	// ReapInterval is how often expired leases and budgets are swept. Default 5s.
+	ReapInterval time.Duration `mapstructure:"reap_interval"`
+	// WorkerID names this process in leases; default hostname-pid.
+	WorkerID string `mapstructure:"worker_id"`
+}
+
+// Router configures cmd/router.
+type Router struct {
+	// AdminListen serves /healthz and /readyz. Default ":7238".
+	AdminListen string `mapstructure:"admin_listen"`
+	// PollInterval is the longest wait between claims when idle. Default 500ms.
+	PollInterval time.Duration `mapstructure:"poll_interval"`
+	// BatchSize is the most events claimed per pass. Default 200.
+	BatchSize int `mapstructure:"batch_size"`
+	// Concurrency bounds deliveries in flight per process. Default 64.
+	Concurrency int `mapstructure:"concurrency"`
+	// ClaimTTL must exceed Timeout; an event whose router died is retried
+	// after it. Default 60s.
+	ClaimTTL time.Duration `mapstructure:"claim_ttl"`
+	// Timeout bounds one delivery. Default 15s.
+	Timeout time.Duration `mapstructure:"timeout"`
+	// RetryDelays: the delays after the 1st..5th failed delivery; the event is
+	// DEAD after len(RetryDelays)+1 failures. Default 1m, 5m, 30m, 2h, 6h.
+	RetryDelays []time.Duration `mapstructure:"retry_delays"`
+	// Jitter is the relative spread of each delay. Default 0.1.
+	Jitter float64 `mapstructure:"jitter"`
+	// AllowPrivateAddresses permits webhook URLs on loopback and private
+	// networks. Default true; set false in production.
+	AllowPrivateAddresses bool `mapstructure:"allow_private_addresses"`
+}
+
+// Log configures logging.
+type Log struct {
+	// Level is debug, info, warn or error. Default info.
+	Level string `mapstructure:"level"`
+	// Format is json or text. Default json.
+	Format string `mapstructure:"format"`
+}
+
+// Capability binds a capability name to its current release.
+type Capability struct {
+	// Name, e.g. "payments.send". Required, 1-128 bytes.
+	Name string `mapstructure:"name"`
+	// Release version, e.g. "v1". Default "v1".
+	Release string `mapstructure:"release"`
+	// Adapter is the adapter's gRPC address (host:port). Required.
+	Adapter string `mapstructure:"adapter"`
+	// Mode is ASYNC or SYNC. Default ASYNC.
+	Mode string `mapstructure:"mode"`
+	// MaxAttempts is the attempt ceiling. Default 10.
+	MaxAttempts int `mapstructure:"max_attempts"`
+	// RetryDelays is the retry schedule; the last repeats. Default 1m, 5m, 30m, 2h, 6h.
+	RetryDelays []time.Duration `mapstructure:"retry_delays"`
+	// Jitter is the relative spread of each delay, 0..0.5. Default 0.1.
+	Jitter *float64 `mapstructure:"jitter"`
+	// AttemptTimeout bounds one adapter call. Default 30s.
+	AttemptTimeout time.Duration `mapstructure:"attempt_timeout"`
+	// LeaseDuration is the lease length; heartbeats renew it every third. Default 60s.
+	LeaseDuration time.Duration `mapstructure:"lease_duration"`
+	// AsyncBudget is the time from acceptance to TIMED_OUT. Default 24h, at most max_async_budget.
+	AsyncBudget time.Duration `mapstructure:"async_budget"`
+}
+
+// Policy returns the release policy of c with defaults applied.
+func (c Capability) Policy() execution.Policy {
+	p := execution.DefaultPolicy()
+	if c.Mode != "" {
+		p.Mode = execution.Mode(strings.ToUpper(c.Mode))
+	}
+	if c.MaxAttempts != 0 {
+		p.MaxAttempts = c.MaxAttempts
+	}
+	if len(c.RetryDelays) > 0 {
+		p.RetryDelays = c.RetryDelays
+	}
+	if c.Jitter != nil {
+		p.Jitter = *c.Jitter
+	}
+	if c.AttemptTimeout != 0 {
+		p.AttemptTimeout = c.AttemptTimeout
+	}
+	if c.LeaseDuration != 0 {
+		p.LeaseDuration = c.LeaseDuration
+	}
+	if c.AsyncBudget != 0 {
+		p.AsyncBudget = c.AsyncBudget
+	}
+	return p
+}
+
+// Lookup returns the capability named name.
+func (c *Config) Lookup(name string) (Capability, bool) {
+	for _, cp := range c.Capabilities {
+		if cp.Name == name {
+			return cp, true
+		}
+	}
+	return Capability{}, false
+}
+
+// ErrInvalid is wrapped by every validation error.
+var ErrInvalid = errors.New("invalid configuration")
+
+func setDefaults(v *viper.Viper) {
+	v.SetDefault("max_async_budget", 24*time.Hour)
+	v.SetDefault("kafka.execution_topic", "capstan.executions")
+	v.SetDefault("kafka.execution_partitions", 8)
+	v.SetDefault("gateway.listen", ":7233")
+	v.SetDefault("gateway.admin_listen", ":7234")
+	v.SetDefault("gateway.max_input_bytes", 256*1024)
+	v.SetDefault("gateway.nudge_timeout", 200*time.Millisecond)
+	v.SetDefault("dispatcher.listen", ":7235")
+	v.SetDefault("dispatcher.admin_listen", ":7236")
+	v.SetDefault("dispatcher.pass_interval", time.Second)
+	v.SetDefault("dispatcher.batch_size", 500)
+	v.SetDefault("dispatcher.claim_ttl", 30*time.Second)
+	v.SetDefault("consumer.admin_listen", ":7237")
+	v.SetDefault("consumer.group", "capstan-consumer")
+	v.SetDefault("consumer.max_in_flight", 256)
+	v.SetDefault("consumer.reap_interval", 5*time.Second)
+	v.SetDefault("router.admin_listen", ":7238")
+	v.SetDefault("router.poll_interval", 500*time.Millisecond)
+	v.SetDefault("router.batch_size", 200)
+	v.SetDefault("router.concurrency", 64)
+	v.SetDefault("router.claim_ttl", 60*time.Second)
+	v.SetDefault("router.timeout", 15*time.Second)
+	v.SetDefault("router.retry_delays", []string{"1m", "5m", "30m", "2h", "6h"})
+	v.SetDefault("router.jitter", 0.1)
+	v.SetDefault("router.allow_private_addresses", true)
+	v.SetDefault("log.level", "info")
+	v.SetDefault("log.format", "json")
+}
+
+// Load reads the file at path (YAML; "" for none), overlays CAPSTAN_*
+// environment variables, applies defaults and validates. Errors name the
+// offending key and wrap ErrInvalid.
+func Load(path string) (*Config, error) {
+	v := viper.New()
+	setDefaults(v)
+	v.SetEnvPrefix("CAPSTAN")
+	v.SetEnvKeyReplacer(strings.NewReplacer(".", "_"))
+	v.AutomaticEnv()
+	// AutomaticEnv only sees keys viper knows; bind the required ones.
+	for _, k := range []string{"database.url", "kafka.brokers", "database.migrate_on_start", "consumer.worker_id", "gateway.dispatcher_addr"} {
+		_ = v.BindEnv(k)
+	}
+	if path != "" {
+		v.SetConfigFile(path)
+		if err := v.ReadInConfig(); err != nil {
+			return nil, fmt.Errorf("%w: read %s: %w", ErrInvalid, path, err)
+		}
+	}
+	if v.GetString("database.url") == "" {
+		if u := os.Getenv("DATABASE_URL"); u != "" {
+			v.Set("database.url", u)
+		}
+	}
+	if len(v.GetStringSlice("kafka.brokers")) == 0 {
+		if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+			v.Set("kafka.brokers", b)
+		}
+	}
+	var c Config
+	err := v.Unmarshal(&c, viper.DecodeHook(mapstructure.ComposeDecodeHookFunc(
+		mapstructure.StringToTimeDurationHookFunc(),
+		mapstructure.StringToSliceHookFunc(","),
+	)), func(dc *mapstructure.DecoderConfig) { dc.ErrorUnused = true })
+	if err != nil {
+		return nil, fmt.Errorf("%w: %w", ErrInvalid, err)
+	}
+	if err := c.Validate(); err != nil {
+		return nil, err
+	}
+	return &c, nil
+}
+
+// Validate checks every key; the first problem is returned, naming the key.
+func (c *Config) Validate() error {
+	bad := func(key, format string, args ...any) error {
+		return fmt.Errorf("%w: %s: %s", ErrInvalid, key, fmt.Sprintf(format, args...))
+	}
+	if c.Database.URL == "" {
+		return bad("database.url", "required (or set DATABASE_URL)")
+	}
+	if u, err := url.Parse(c.Database.URL); err != nil || (u.Scheme != "postgres" && u.Scheme != "postgresql") {
+		if !strings.Contains(c.Database.URL, "=") { // allow key=value DSNs
+			return bad("database.url", "want postgres://… or a key=value DSN")
+		}
+	}
+	if len(c.Kafka.Brokers) == 0 {
+		return bad("kafka.brokers", "required (or set KAFKA_BROKERS)")
+	}
+	if c.Kafka.ExecutionTopic == "" {
+		return bad("kafka.execution_topic", "required")
+	}
+	if c.Gateway.MaxInputBytes <= 0 || c.Gateway.MaxInputBytes > 16<<20 {
+		return bad("gateway.max_input_bytes", "%d: want 1..16777216", c.Gateway.MaxInputBytes)
+	}
+	if c.Dispatcher.PassInterval <= 0 {
+		return bad("dispatcher.pass_interval", "want > 0")
+	}
+	if c.Dispatcher.BatchSize <= 0 || c.Dispatcher.BatchSize > 10000 {
+		return bad("dispatcher.batch_size", "%d: want 1..10000", c.Dispatcher.BatchSize)
+	}
+	if c.Dispatcher.ClaimTTL <= 0 {
+		return bad("dispatcher.claim_ttl", "want > 0")
+	}
+	if c.Dispatcher.Lookahead < 0 {
+		return bad("dispatcher.lookahead", "want ≥ 0")
+	}
+	if c.Consumer.MaxInFlight <= 0 || c.Consumer.MaxInFlight > 100000 {
+		return bad("consumer.max_in_flight", "%d: want 1..100000", c.Consumer.MaxInFlight)
+	}
+	if c.Consumer.ReapInterval <= 0 {
+		return bad("consumer.reap_interval", "want > 0")
+	}
+	if c.Router.Timeout <= 0 {
+		return bad("router.timeout", "want > 0")
+	}
+	if c.Router.ClaimTTL <= c.Router.Timeout {
+		return bad("router.claim_ttl", "%v: must exceed router.timeout %v", c.Router.ClaimTTL, c.Router.Timeout)
+	}
+	if len(c.Router.RetryDelays) == 0 {
+		return bad("router.retry_delays", "want at least one delay")
+	}
+	for i, d := range c.Router.RetryDelays {
+		if d <= 0 {
+			return bad(fmt.Sprintf("router.retry_delays[%d]", i), "want > 0")
+		}
+	}
+	if c.Router.Concurrency <= 0 || c.Router.BatchSize <= 0 || c.Router.PollInterval <= 0 {
+		return bad("router", "concurrency, batch_size and poll_interval must be > 0")
+	}
+	switch c.Log.Level {
+	case "debug", "info", "warn", "error":
+	default:
+		return bad("log.level", "%q: want debug, info, warn or error", c.Log.Level)
+	}
+	if c.Log.Format != "json" && c.Log.Format != "text" {
+		return bad("log.format", "%q: want json or text", c.Log.Format)
+	}
+	seen := map[string]bool{}
+	for i, cp := range c.Capabilities {
+		key := fmt.Sprintf("capabilities[%d]", i)
+		if cp.Name == "" || len(cp.Name) > 128 {
+			return bad(key+".name", "required, 1-128 bytes")
+		}
+		if seen[cp.Name] {
+			return bad(key+".name", "%q is configured twice", cp.Name)
+		}
+		seen[cp.Name] = true
+		if cp.Adapter == "" {
+			return bad(key+".adapter", "required (host:port of the adapter's gRPC server)")
+		}
+		if c.Capabilities[i].Release == "" {
+			c.Capabilities[i].Release = "v1"
+		}
+		if err := cp.Policy().Validate(c.MaxAsyncBudget); err != nil {
+			return fmt.Errorf("%w: %s (%q): %w", ErrInvalid, key, cp.Name, err)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,71 @@
+package execution
+
+import (
+	"time"
+
+	"github.com/google/uuid"
+)
+
+// Execution is one invocation of a capability, as stored.
+type Execution struct {
+	ID             uuid.UUID
+	ApplicationID  uuid.UUID
+	Capability     string
+	Release        string
+	Mode           Mode
+	Status         Status
+	Attempt        int // latest attempt started; 0 before the first
+	MaxAttempts    int
+	Version        int64
+	Input          []byte
+	ContentType    string
+	IdempotencyKey string // "" when none was given
+	LeaseOwner     string
+	LeaseToken     uuid.UUID // uuid.Nil when no lease is held
+	LeaseExpiresAt time.Time
+	BudgetDeadline time.Time
+	Output         []byte
+	OutputType     string
+	Failure        *Failure // set for FAILED, TIMED_OUT, CANCELLED
+	CreatedAt      time.Time
+	UpdatedAt      time.Time
+	SettledAt      time.Time // zero until terminal
+}
+
+// Outcome is how an attempt ended, as the consumer reports it to the store.
+type Outcome struct {
+	// Succeeded: Output and OutputType hold the result.
+	Succeeded  bool
+	Output     []byte
+	OutputType string
+	// Failure is set when Succeeded is false.
+	Failure Failure
+}
+
+// RetryDecision is what happens after a retryable failure of attempt N.
+type RetryDecision int
+
+const (
+	// RetrySchedule: attempt N+1 is due after the delay.
+	RetrySchedule RetryDecision = iota + 1
+	// RetryExhausted: the attempt ceiling is reached; settle FAILED with
+	// ReasonAttemptLimit.
+	RetryExhausted
+	// RetryBudgetExceeded: the next attempt could not start before the
+	// budget ends; settle TIMED_OUT with ReasonAsyncBudget.
+	RetryBudgetExceeded
+)
+
+// DecideRetry decides what follows a retryable failure of attempt `attempt`
+// (SYSTEM §4): exhausted when attempt ≥ maxAttempts, budget exceeded when
+// the next attempt's due time (now + delay, database clock) is after the
+// budget deadline, otherwise schedule.
+func DecideRetry(attempt, maxAttempts int, now time.Time, delay time.Duration, budgetDeadline time.Time) RetryDecision {
+	if attempt >= maxAttempts {
+		return RetryExhausted
+	}
+	if now.Add(delay).After(budgetDeadline) {
+		return RetryBudgetExceeded
+	}
+	return RetrySchedule
+}
