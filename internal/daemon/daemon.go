@@ -213,3 +213,14 @@ func Listen(addr string) (net.Listener, error) {
 
 // Grace is the shutdown grace period of every daemon.
 const Grace = 10 * time.Second
+
+// HealthInterval is how often the gRPC health status is refreshed.
+const HealthInterval = 2 * time.Second
+
+// Addr returns the listener's address, or "" for a nil listener.
+func Addr(l net.Listener) string {
+	if l == nil {
+		return ""
+	}
+	return l.Addr().String()
+}

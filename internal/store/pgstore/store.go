@@ -46,7 +46,6 @@ func Open(ctx context.Context, url string, logger *slog.Logger) (*Store, error) 
 	if cfg.MaxConns < DefaultMaxConns && !strings.Contains(url, "pool_max_conns") {
 		cfg.MaxConns = DefaultMaxConns
 	}
-	cfg.ConnConfig.RuntimeParams["timezone"] = "UTC"
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return nil, fmt.Errorf("database pool: %w", err)

@@ -1,0 +1,348 @@
+// Package consumer implements cmd/consumer, the execution consumer (SYSTEM
+// §4 hop 3, §5): a Kafka consumer-group member that, for every dispatch on
+// the execution topic, starts the attempt with a guarded update, calls the
+// adapter under a renewed, token-fenced lease, and settles or schedules the
+// next attempt. A reaper in the same process fails attempts whose lease
+// expired and settles executions whose async budget passed; it is safe on
+// any number of replicas because every write it makes is fenced.
+//
+// # Offsets
+//
+// Many attempts run at once (MaxInFlight), so records finish out of order.
+// The committed offset of a partition never passes a record whose outcome is
+// not yet durable: a crash re-delivers at most the records in flight, and
+// the guarded attempt start turns those re-deliveries into skips.
+package consumer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
+	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
+)
+
+// Consumer runs attempts from the execution topic.
+type Consumer struct {
+	store    *pgstore.Store
+	client   *kgo.Client
+	cfg      *config.Config
+	adapters *adapterPool
+	offsets  *offsetTracker
+	owner    string
+	logger   *slog.Logger
+	stats    counters
+}
+
+type counters struct {
+	started, skipped, undecodable, succeeded, failed, retried, lost, reaped, budgetTimeouts atomic.Int64
+}
+
+// Stats are the consumer's counters since start.
+type Stats struct {
+	Started, Skipped, Undecodable, Succeeded, Failed, Retried, Lost, Reaped, BudgetTimeouts int64
+}
+
+// Stats returns the counters.
+func (c *Consumer) Stats() Stats {
+	s := &c.stats
+	return Stats{s.started.Load(), s.skipped.Load(), s.undecodable.Load(), s.succeeded.Load(), s.failed.Load(),
+		s.retried.Load(), s.lost.Load(), s.reaped.Load(), s.budgetTimeouts.Load()}
+}
+
+// New returns a consumer. client must be a consumer-group client built with
+// the options from ClientOpts; owner names this worker in leases.
+func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *offsetTracker, owner string, logger *slog.Logger) *Consumer {
+	return &Consumer{store: store, client: client, cfg: cfg, adapters: newAdapterPool(), offsets: offsets,
+		owner: owner, logger: logger}
+}
+
+// ClientOpts returns the kgo options of the consumer-group client: manual
+// marks committed by the autocommitter, and a synchronous commit of the
+// marks when partitions are revoked.
+func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger) []kgo.Opt {
+	return []kgo.Opt{
+		kgo.ConsumerGroup(cfg.Consumer.Group),
+		kgo.ConsumeTopics(cfg.Kafka.ExecutionTopic),
+		kgo.AutoCommitMarks(),
+		kgo.AutoCommitInterval(time.Second),
+		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
+		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
+			if err := cl.CommitMarkedOffsets(ctx); err != nil {
+				logger.Warn("commit on revoke failed; in-flight records may be redelivered", "error", err)
+			}
+			offsets.forget(revoked)
+		}),
+	}
+}
+
+// NewOffsetTracker returns the tracker shared by ClientOpts and New.
+func NewOffsetTracker() *offsetTracker { return newOffsetTracker() }
+
+// Run consumes until ctx ends, then waits for the attempts in flight (they
+// are bounded by their attempt timeout) and commits their offsets.
+func (c *Consumer) Run(ctx context.Context) error {
+	sem := make(chan struct{}, c.cfg.Consumer.MaxInFlight)
+	var wg sync.WaitGroup
+	defer func() {
+		wg.Wait()
+		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		if err := c.client.CommitMarkedOffsets(cctx); err != nil {
+			c.logger.Warn("final offset commit failed", "error", err)
+		}
+		c.adapters.close()
+	}()
+	for {
+		// Wait for at least one free slot, then poll at most as many
+		// records as there are free slots.
+		select {
+		case sem <- struct{}{}:
+		case <-ctx.Done():
+			return nil
+		}
+		free := 1 + (cap(sem) - len(sem))
+		fetches := c.client.PollRecords(ctx, free)
+		if ctx.Err() != nil {
+			<-sem
+			return nil
+		}
+		fetches.EachError(func(t string, p int32, err error) {
+			c.logger.Warn("fetch error", "topic", t, "partition", p, "error", err)
+		})
+		recs := fetches.Records()
+		if len(recs) == 0 {
+			<-sem
+			continue
+		}
+		for i, r := range recs {
+			if i > 0 {
+				sem <- struct{}{} // cannot block: len(recs) ≤ free
+			}
+			c.offsets.start(r)
+			wg.Add(1)
+			go func(r *kgo.Record) {
+				defer wg.Done()
+				defer func() { <-sem }()
+				if c.handle(ctx, r) {
+					off := c.offsets.done(r)
+					c.client.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
+						r.Topic: {r.Partition: {Epoch: -1, Offset: off}},
+					})
+				}
+			}(r)
+		}
+	}
+}
+
+// handle processes one record and reports whether its outcome is durable
+// (so its offset may be committed). It returns false only when ctx ended
+// before the outcome could be written; the record is then redelivered.
+func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
+	var d dispatchv1.ExecutionDispatch
+	if err := proto.Unmarshal(r.Value, &d); err != nil {
+		c.stats.undecodable.Add(1)
+		c.logger.Error("undecodable execution record skipped", "partition", r.Partition, "offset", r.Offset, "error", err)
+		return true
+	}
+	id, err := uuid.Parse(d.GetExecutionId())
+	if err != nil || d.GetAttempt() < 1 {
+		c.stats.undecodable.Add(1)
+		c.logger.Error("invalid execution record skipped", "partition", r.Partition, "offset", r.Offset,
+			"execution_id", d.GetExecutionId(), "attempt", d.GetAttempt())
+		return true
+	}
+	log := c.logger.With("execution_id", id, "attempt", d.GetAttempt())
+	var e execution.Execution
+	err = retryStore(ctx, log, func() error {
+		var err error
+		e, err = c.store.AttemptStart(ctx, pgstore.AttemptStartParams{
+			ExecutionID: id, Attempt: int(d.GetAttempt()), Owner: c.owner, LeaseFor: c.leaseFor(""),
+		})
+		return err
+	})
+	switch {
+	case errors.Is(err, execution.ErrConflict):
+		c.stats.skipped.Add(1)
+		log.Debug("obsolete or duplicate dispatch skipped")
+		return true
+	case err != nil && ctx.Err() != nil:
+		return false // shutting down: leave the record to be redelivered
+	case err != nil:
+		c.stats.skipped.Add(1)
+		log.Error("attempt could not start; dispatch skipped", "error", err)
+		return true
+	}
+	c.stats.started.Add(1)
+	c.runAttempt(ctx, log, e)
+	return true
+}
+
+// leaseFor returns the lease duration of a capability (the default policy's
+// when it is not configured).
+func (c *Consumer) leaseFor(capability string) time.Duration {
+	if cp, ok := c.cfg.Lookup(capability); ok {
+		return cp.Policy().LeaseDuration
+	}
+	// The capability is not known yet at attempt start (the record names
+	// only the execution); use the longest configured lease.
+	d := execution.DefaultLeaseDuration
+	for _, cp := range c.cfg.Capabilities {
+		d = max(d, cp.Policy().LeaseDuration)
+	}
+	return d
+}
+
+// runAttempt calls the adapter for a started attempt under its lease and
+// writes the outcome, fenced by attempt and lease token.
+func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution.Execution) {
+	fence := pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}
+	capb, ok := c.cfg.Lookup(e.Capability)
+	if !ok {
+		c.settle(ctx, log, e, fence, execution.StatusFailed, execution.Outcome{Failure: execution.Failure{
+			Class: execution.ClassConfigMissing, Message: fmt.Sprintf("capability %q is not configured", e.Capability)}})
+		return
+	}
+	policy := capb.Policy()
+
+	callCtx, cancelCall := context.WithTimeout(ctx, policy.AttemptTimeout)
+	defer cancelCall()
+	var leaseLost atomic.Bool
+	hbDone := make(chan struct{})
+	go func() {
+		defer close(hbDone)
+		c.heartbeat(callCtx, log, e, policy.LeaseDuration, func() { leaseLost.Store(true); cancelCall() })
+	}()
+	resp, callErr := c.adapters.execute(callCtx, capb.Adapter, &adapterv1.ExecuteRequest{
+		ExecutionId: e.ID.String(), Attempt: int32(e.Attempt), Capability: e.Capability, Release: e.Release,
+		Input: e.Input, ContentType: e.ContentType, ApplicationId: e.ApplicationID.String(),
+		Deadline: timestamppb.New(time.Now().Add(policy.AttemptTimeout)),
+	})
+	cancelCall()
+	<-hbDone
+	if leaseLost.Load() {
+		c.stats.lost.Add(1)
+		log.Info("lease lost during the adapter call; outcome discarded")
+		return
+	}
+	if ctx.Err() != nil {
+		// Shutting down mid-call: leave the attempt to its lease; the
+		// reaper retries it after expiry.
+		log.Info("shutdown during the adapter call; attempt left to lease expiry")
+		return
+	}
+	out := Classify(resp, callErr)
+	switch {
+	case out.Succeeded:
+		c.settle(ctx, log, e, fence, execution.StatusSucceeded, out)
+	case !out.Failure.Retryable:
+		c.settle(ctx, log, e, fence, execution.StatusFailed, out)
+	default:
+		c.retry(ctx, log, e, fence, out.Failure, policy, "RETRYABLE_FAILURE")
+	}
+}
+
+// heartbeat renews the lease every third of its duration until ctx ends;
+// lost is called when the lease turns out to be lost.
+func (c *Consumer) heartbeat(ctx context.Context, log *slog.Logger, e execution.Execution, lease time.Duration, lost func()) {
+	t := time.NewTicker(max(lease/3, 10*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		_, err := c.store.LeaseRenew(ctx, e.ID, e.Attempt, e.LeaseToken, lease)
+		switch {
+		case errors.Is(err, execution.ErrLeaseLost):
+			lost()
+			return
+		case err != nil && ctx.Err() == nil:
+			log.Warn("lease renewal failed; will try again", "error", err)
+		}
+	}
+}
+
+func (c *Consumer) settle(ctx context.Context, log *slog.Logger, e execution.Execution, fence pgstore.Fence, st execution.Status, out execution.Outcome) {
+	p := pgstore.SettleParams{ExecutionID: e.ID, Fence: fence, Status: st}
+	if st == execution.StatusSucceeded {
+		p.Output, p.OutputType, p.AttemptOutcome = out.Output, out.OutputType, "SUCCEEDED"
+	} else {
+		f := out.Failure
+		p.Failure, p.AttemptOutcome, p.AttemptFailure = &f, "FAILED", &f
+	}
+	err := retryStore(ctx, log, func() error { _, err := c.store.ExecutionSettle(ctx, p); return err })
+	switch {
+	case errors.Is(err, execution.ErrConflict):
+		c.stats.lost.Add(1)
+		log.Info("settlement lost: the execution moved on meanwhile", "status", st)
+	case err != nil:
+		log.Warn("settlement not written before shutdown; the lease will expire and the attempt retry", "error", err)
+	case st == execution.StatusSucceeded:
+		c.stats.succeeded.Add(1)
+	default:
+		c.stats.failed.Add(1)
+	}
+}
+
+func (c *Consumer) retry(ctx context.Context, log *slog.Logger, e execution.Execution, fence pgstore.Fence, f execution.Failure, policy execution.Policy, outcome string) {
+	var res pgstore.RetryResult
+	err := retryStore(ctx, log, func() error {
+		var err error
+		res, err = c.store.AttemptRetry(ctx, pgstore.RetryParams{
+			ExecutionID: e.ID, Fence: fence, Failure: f, Policy: policy, AttemptOutcome: outcome,
+		})
+		return err
+	})
+	switch {
+	case errors.Is(err, execution.ErrLeaseLost), errors.Is(err, execution.ErrConflict):
+		c.stats.lost.Add(1)
+		log.Info("retry not scheduled: the attempt was superseded or settled meanwhile")
+	case err != nil:
+		log.Warn("retry not written before shutdown; the lease will expire", "error", err)
+	case res.Decision == execution.RetrySchedule:
+		c.stats.retried.Add(1)
+		log.Debug("retry scheduled", "class", f.Class, "due_at", res.DueAt)
+	case res.Decision == execution.RetryExhausted:
+		c.stats.failed.Add(1)
+		log.Info("attempts exhausted", "class", f.Class)
+	default:
+		c.stats.budgetTimeouts.Add(1)
+		log.Info("async budget exhausted", "class", f.Class)
+	}
+}
+
+// retryStore runs fn until it succeeds, fails with a non-transient error,
+// or ctx ends; database unavailability is ridden out with backoff.
+func retryStore(ctx context.Context, log *slog.Logger, fn func() error) error {
+	wait := 100 * time.Millisecond
+	for {
+		err := fn()
+		if err == nil || !errors.Is(err, execution.ErrUnavailable) {
+			return err
+		}
+		log.Warn("database unavailable; retrying", "error", err, "retry_in", wait)
+		t := time.NewTimer(wait)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return fmt.Errorf("%w (gave up at shutdown)", err)
+		case <-t.C:
+		}
+		wait = min(wait*2, 5*time.Second)
+	}
+}

@@ -1,0 +1,89 @@
+package consumer
+
+import (
+	"context"
+	"errors"
+	"time"
+
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+)
+
+// reapBatch is the most expired leases or budgets handled per sweep.
+const reapBatch = 200
+
+// Reap runs the lease and budget sweeps every interval until ctx ends.
+// Several replicas may reap at once: every write is fenced, so a lease that
+// was renewed, completed or re-claimed after it was read is left alone.
+func (c *Consumer) Reap(ctx context.Context, interval time.Duration) error {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		if err := c.ReapOnce(ctx); err != nil && ctx.Err() == nil {
+			c.logger.Warn("reap sweep failed", "error", err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil
+		case <-t.C:
+		}
+	}
+}
+
+// ReapOnce fails every attempt whose lease expired as lease.expired
+// (scheduling the next attempt or exhausting) and settles TIMED_OUT every
+// execution whose async budget passed.
+func (c *Consumer) ReapOnce(ctx context.Context) error {
+	expired, err := c.store.LeaseExpiredList(ctx, reapBatch)
+	if err != nil {
+		return err
+	}
+	for _, l := range expired {
+		policy := execution.DefaultPolicy()
+		if cp, ok := c.cfg.Lookup(l.Capability); ok {
+			policy = cp.Policy()
+		}
+		_, err := c.store.AttemptRetry(ctx, pgstore.RetryParams{
+			ExecutionID: l.ExecutionID,
+			Fence:       pgstore.Fence{Attempt: l.Attempt, LeaseToken: l.LeaseToken},
+			Failure: execution.Failure{Class: execution.ClassLeaseExpired, Retryable: true,
+				Message: "the attempt's lease expired before it finished"},
+			Policy:         policy,
+			AttemptOutcome: "LEASE_EXPIRED",
+		})
+		switch {
+		case errors.Is(err, execution.ErrLeaseLost), errors.Is(err, execution.ErrConflict):
+			// Renewed, settled or re-claimed since it was read: nothing to do.
+		case err != nil:
+			return err
+		default:
+			c.stats.reaped.Add(1)
+			c.logger.Info("expired lease reaped", "execution_id", l.ExecutionID, "attempt", l.Attempt)
+		}
+	}
+	budgets, err := c.store.BudgetExpiredList(ctx, reapBatch)
+	if err != nil {
+		return err
+	}
+	for _, b := range budgets {
+		f := execution.Failure{Class: execution.ReasonAsyncBudget, Reason: execution.ReasonAsyncBudget,
+			Message: "the async budget passed before the execution finished"}
+		if b.LastFailure != nil {
+			f.Class, f.Message = b.LastFailure.Class, b.LastFailure.Message
+		}
+		_, err := c.store.ExecutionSettle(ctx, pgstore.SettleParams{
+			ExecutionID: b.ExecutionID, Fence: pgstore.Fence{Version: b.Version, Attempt: b.Attempt},
+			Status: execution.StatusTimedOut, Failure: &f, AttemptOutcome: "ABANDONED",
+			AttemptFailure: &execution.Failure{Class: execution.ReasonAsyncBudget, Message: f.Message},
+		})
+		switch {
+		case errors.Is(err, execution.ErrConflict):
+		case err != nil:
+			return err
+		default:
+			c.stats.budgetTimeouts.Add(1)
+			c.logger.Info("async budget passed", "execution_id", b.ExecutionID)
+		}
+	}
+	return nil
+}

@@ -1,0 +1,191 @@
+// Package ctl implements capstanctl, the operator and developer CLI:
+//
+//	capstanctl migrate [--status]        apply (or show) the schema migrations
+//	capstanctl app upsert --name N …     create or update an application
+//	capstanctl execution get ID          show one execution (operator view)
+//	capstanctl dev [--demo-input F]      run the embedded stack (make demo)
+//
+// Database commands read DATABASE_URL or --database-url.
+package ctl
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	"os"
+	"strings"
+
+	"github.com/google/uuid"
+
+	"github.com/capstan-dev/capstan/internal/devstack"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+)
+
+// ErrUsage is returned for a bad command line; the caller exits 2.
+var ErrUsage = errors.New("usage")
+
+const usage = `capstanctl — Capstan's operator and developer CLI
+
+Commands:
+  migrate [--status]                    apply pending schema migrations (or print the version)
+  app upsert --name N --api-key K [--webhook-url U --webhook-secret S]
+                                        create or update an application (the key is stored hashed)
+  execution get ID                      print one execution as JSON (all applications)
+  dev [--demo-input F] [--bin-dir D]    run the embedded stack; with --demo-input, run the
+                                        csv-payments demo on F and stop when it finishes
+
+Database commands use --database-url or DATABASE_URL.
+`
+
+// Main runs capstanctl with args (without the program name).
+func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return ErrUsage
+	}
+	switch args[0] {
+	case "migrate":
+		return migrate(ctx, args[1:], stdout)
+	case "app":
+		return app(ctx, args[1:], stdout)
+	case "execution":
+		return executionCmd(ctx, args[1:], stdout)
+	case "dev":
+		return dev(ctx, args[1:], stdout, stderr)
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return nil
+	}
+	fmt.Fprintf(stderr, "unknown command %q\n\n%s", args[0], usage)
+	return ErrUsage
+}
+
+func dbFlag(fs *flag.FlagSet) *string {
+	return fs.String("database-url", os.Getenv("DATABASE_URL"), "PostgreSQL URL (default $DATABASE_URL)")
+}
+
+func need(name, v string) error {
+	if v == "" {
+		return fmt.Errorf("%w: --%s is required", ErrUsage, name)
+	}
+	return nil
+}
+
+func migrate(ctx context.Context, args []string, out io.Writer) error {
+	fs := flag.NewFlagSet("migrate", flag.ContinueOnError)
+	db := dbFlag(fs)
+	status := fs.Bool("status", false, "print the schema version and change nothing")
+	if err := fs.Parse(args); err != nil {
+		return ErrUsage
+	}
+	if err := need("database-url", *db); err != nil {
+		return err
+	}
+	if *status {
+		v, err := pgstore.MigrateStatus(ctx, *db)
+		if err != nil {
+			return err
+		}
+		fmt.Fprintf(out, "schema version %d (this binary expects %d)\n", v, pgstore.SchemaVersion)
+		return nil
+	}
+	v, err := pgstore.Migrate(ctx, *db, nil)
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "schema at version %d\n", v)
+	return nil
+}
+
+func app(ctx context.Context, args []string, out io.Writer) error {
+	if len(args) == 0 || args[0] != "upsert" {
+		return fmt.Errorf("%w: app upsert --name N --api-key K [--webhook-url U --webhook-secret S]", ErrUsage)
+	}
+	fs := flag.NewFlagSet("app upsert", flag.ContinueOnError)
+	db := dbFlag(fs)
+	name := fs.String("name", "", "application name (1-128 bytes)")
+	key := fs.String("api-key", "", "API key (stored only as its SHA-256)")
+	url := fs.String("webhook-url", "", "event consumer URL")
+	secret := fs.String("webhook-secret", "", "Standard Webhooks secret, whsec_<base64>")
+	if err := fs.Parse(args[1:]); err != nil {
+		return ErrUsage
+	}
+	for n, v := range map[string]string{"database-url": *db, "name": *name, "api-key": *key} {
+		if err := need(n, v); err != nil {
+			return err
+		}
+	}
+	if *url != "" && !strings.HasPrefix(*secret, "whsec_") {
+		return fmt.Errorf("%w: --webhook-secret: want whsec_<base64> with --webhook-url", ErrUsage)
+	}
+	st, err := pgstore.Open(ctx, *db, nil)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	a, err := st.ApplicationUpsert(ctx, pgstore.ApplicationUpsertParams{Name: *name, APIKey: *key, WebhookURL: *url, WebhookSecret: *secret})
+	if err != nil {
+		return err
+	}
+	fmt.Fprintf(out, "application %s (%s) version %d\n", a.Name, a.ID, a.Version)
+	return nil
+}
+
+func executionCmd(ctx context.Context, args []string, out io.Writer) error {
+	if len(args) < 2 || args[0] != "get" {
+		return fmt.Errorf("%w: execution get ID", ErrUsage)
+	}
+	fs := flag.NewFlagSet("execution get", flag.ContinueOnError)
+	db := dbFlag(fs)
+	if err := fs.Parse(args[2:]); err != nil {
+		return ErrUsage
+	}
+	if err := need("database-url", *db); err != nil {
+		return err
+	}
+	id, err := uuid.Parse(args[1])
+	if err != nil {
+		return fmt.Errorf("%w: execution id %q is not a UUID", ErrUsage, args[1])
+	}
+	st, err := pgstore.Open(ctx, *db, nil)
+	if err != nil {
+		return err
+	}
+	defer st.Close()
+	e, err := st.ExecutionGet(ctx, uuid.Nil, id)
+	if err != nil {
+		return err
+	}
+	e.Input = nil // payloads are not shown by default
+	enc := json.NewEncoder(out)
+	enc.SetIndent("", "  ")
+	return enc.Encode(e)
+}
+
+func dev(ctx context.Context, args []string, out, errOut io.Writer) error {
+	fs := flag.NewFlagSet("dev", flag.ContinueOnError)
+	binDir := fs.String("bin-dir", "bin", "folder with the daemon and example binaries (make build)")
+	runDir := fs.String("run-dir", "run", "parent folder of the run folders (logs, config, output)")
+	input := fs.String("demo-input", "", "CSV of payments (ID,Recipient,Amount,Currency) to run through the demo")
+	mode := fs.String("demo-mode", "direct", "provider mode: direct")
+	verbose := fs.Bool("v", false, "log the stack's own steps to stderr")
+	if err := fs.Parse(args); err != nil {
+		return ErrUsage
+	}
+	logger := slog.New(slog.DiscardHandler)
+	if *verbose {
+		logger = slog.New(slog.NewTextHandler(errOut, nil))
+	}
+	var brokers []string
+	if b := os.Getenv("KAFKA_BROKERS"); b != "" {
+		brokers = strings.Split(b, ",")
+	}
+	return devstack.Run(ctx, devstack.Options{
+		BinDir: *binDir, RunDir: *runDir, DemoInput: *input, DemoMode: *mode,
+		DatabaseURL: os.Getenv("DATABASE_URL"), KafkaBrokers: brokers, Out: out, Logger: logger,
+	})
+}

@@ -1,0 +1,322 @@
+// Package devstack implements `capstanctl dev`: the embedded default. It
+// starts a throwaway PostgreSQL cluster (unless DATABASE_URL is set) and an
+// embedded Kafka (kfake, unless KAFKA_BROKERS is set), applies the schema,
+// registers a demo application, then starts the four daemons and the
+// csv-payments example processes as separate OS processes with their logs in
+// a run folder, and stops everything cleanly on exit or Ctrl-C.
+package devstack
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/base64"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"os"
+	"path/filepath"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/capstan-dev/capstan/internal/kafkatest"
+	"github.com/capstan-dev/capstan/internal/pgcluster"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+)
+
+// Options configure a dev stack run.
+type Options struct {
+	// BinDir holds the gateway, dispatcher, consumer, router and example
+	// binaries (make build puts them in bin/).
+	BinDir string
+	// RunDir is the parent of the run folder. Default "run".
+	RunDir string
+	// DemoInput, when set, runs the csv-payments app on this CSV and stops
+	// the stack when it finishes. Empty: run until ctx ends.
+	DemoInput string
+	// DemoMode is the provider mode; only "direct" exists in this version.
+	DemoMode string
+	// DatabaseURL, when set, is used instead of a throwaway cluster.
+	DatabaseURL string
+	// KafkaBrokers, when set, are used instead of the embedded Kafka.
+	KafkaBrokers []string
+	// Out receives the human-readable progress and the demo summary.
+	Out    io.Writer
+	Logger *slog.Logger
+}
+
+// ErrDemoFailed is returned when the demo application exits non-zero.
+var ErrDemoFailed = errors.New("demo application failed")
+
+// Run starts the stack and runs it until the demo finishes or ctx ends.
+func Run(ctx context.Context, o Options) (err error) {
+	if o.RunDir == "" {
+		o.RunDir = "run"
+	}
+	if o.DemoMode == "" {
+		o.DemoMode = "direct"
+	}
+	if o.DemoMode != "direct" {
+		return fmt.Errorf("demo mode %q: only \"direct\" is available in this version", o.DemoMode)
+	}
+	if o.Logger == nil {
+		o.Logger = slog.New(slog.DiscardHandler)
+	}
+	runDir, err := filepath.Abs(filepath.Join(o.RunDir, time.Now().UTC().Format("20060102T150405Z")))
+	if err != nil {
+		return err
+	}
+	if err := os.MkdirAll(runDir, 0o755); err != nil {
+		return err
+	}
+	fmt.Fprintf(o.Out, "run folder: %s\n", runDir)
+	// Cleanup runs under a detached context: Ctrl-C cancels ctx, and the
+	// stack must still be torn down.
+	cleanupCtx := context.WithoutCancel(ctx)
+	var cleanups []func()
+	defer func() {
+		for i := len(cleanups) - 1; i >= 0; i-- {
+			cleanups[i]()
+		}
+	}()
+
+	dbURL := o.DatabaseURL
+	if dbURL == "" {
+		cl, err := pgcluster.Start(ctx, pgcluster.Options{Logger: o.Logger})
+		if err != nil {
+			return fmt.Errorf("throwaway PostgreSQL: %w", err)
+		}
+		cleanups = append(cleanups, func() {
+			sctx, cancel := context.WithTimeout(cleanupCtx, 30*time.Second)
+			defer cancel()
+			if err := cl.Stop(sctx); err != nil {
+				fmt.Fprintf(o.Out, "stop PostgreSQL: %v\n", err)
+			}
+		})
+		if err := createDatabase(ctx, cl.URL("postgres"), "capstan"); err != nil {
+			return err
+		}
+		dbURL = cl.URL("capstan")
+		fmt.Fprintf(o.Out, "PostgreSQL: throwaway cluster on port %d (removed on exit)\n", cl.Port())
+	} else {
+		fmt.Fprintln(o.Out, "PostgreSQL: DATABASE_URL")
+	}
+	if _, err := pgstore.Migrate(ctx, dbURL, nil); err != nil {
+		return err
+	}
+
+	brokers := o.KafkaBrokers
+	if len(brokers) == 0 {
+		kc, err := kafkatest.Start(ctx, kafkatest.Options{
+			Topics: map[string]int32{executionTopic: executionPartitions}, Logger: o.Logger,
+		})
+		if err != nil {
+			return fmt.Errorf("embedded Kafka: %w", err)
+		}
+		cleanups = append(cleanups, kc.Close)
+		brokers = kc.Brokers()
+		fmt.Fprintf(o.Out, "Kafka: embedded kfake at %s\n", strings.Join(brokers, ","))
+	} else {
+		fmt.Fprintf(o.Out, "Kafka: KAFKA_BROKERS %s\n", strings.Join(brokers, ","))
+	}
+
+	ports, err := freePorts(8)
+	if err != nil {
+		return err
+	}
+	s := stack{
+		gateway: ports[0], gatewayAdmin: ports[1], dispatcher: ports[2], dispatcherAdmin: ports[3],
+		consumerAdmin: ports[4], routerAdmin: ports[5], provider: ports[6], app: ports[7],
+		dbURL: dbURL, brokers: brokers,
+	}
+	cfgPath := filepath.Join(runDir, "capstan.yaml")
+	if err := os.WriteFile(cfgPath, []byte(s.config()), 0o600); err != nil {
+		return err
+	}
+
+	apiKey, secret := randomKey("cap_"), "whsec_"+randomB64(32)
+	st, err := pgstore.Open(ctx, dbURL, o.Logger)
+	if err != nil {
+		return err
+	}
+	_, err = st.ApplicationUpsert(ctx, pgstore.ApplicationUpsertParams{
+		Name: "csv-payments-demo", APIKey: apiKey,
+		WebhookURL: fmt.Sprintf("http://127.0.0.1:%d/events", s.app), WebhookSecret: secret,
+	})
+	st.Close()
+	if err != nil {
+		return err
+	}
+
+	var procs []*process
+	cleanups = append(cleanups, func() {
+		for i := len(procs) - 1; i >= 0; i-- {
+			if err := procs[i].stop(15 * time.Second); err != nil {
+				fmt.Fprintf(o.Out, "stop %s: %v\n", procs[i].name, err)
+			}
+		}
+	})
+	start := func(name, bin string, args, env []string) error {
+		p, err := startProcess(name, filepath.Join(o.BinDir, bin), args, env, runDir, nil)
+		if err != nil {
+			return err
+		}
+		procs = append(procs, p)
+		return nil
+	}
+	cfgArgs := []string{"--config", cfgPath}
+	if err := start("provider", "csv-payments-provider", []string{"--listen", fmt.Sprintf("127.0.0.1:%d", s.provider)}, nil); err != nil {
+		return err
+	}
+	for _, d := range []string{"gateway", "dispatcher", "consumer", "router"} {
+		if err := start(d, d, cfgArgs, nil); err != nil {
+			return err
+		}
+	}
+	for _, port := range []int{s.gatewayAdmin, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin} {
+		if err := waitReady(ctx, fmt.Sprintf("http://127.0.0.1:%d/readyz", port), 60*time.Second, procs); err != nil {
+			return err
+		}
+	}
+	fmt.Fprintf(o.Out, "daemons ready: gateway 127.0.0.1:%d (gRPC, reflection on), logs in %s\n", s.gateway, runDir)
+
+	appEnv := []string{
+		fmt.Sprintf("CAPSTAN_GATEWAY=127.0.0.1:%d", s.gateway),
+		"CAPSTAN_API_KEY=" + apiKey,
+		fmt.Sprintf("APP_WEBHOOK_LISTEN=127.0.0.1:%d", s.app),
+		"APP_WEBHOOK_SECRET=" + secret,
+	}
+	if o.DemoInput == "" {
+		fmt.Fprintf(o.Out, "application csv-payments-demo: %s\nPress Ctrl-C to stop.\n", strings.Join(appEnv[:2], " "))
+		<-ctx.Done()
+		return nil
+	}
+	in, err := filepath.Abs(o.DemoInput)
+	if err != nil {
+		return err
+	}
+	app, err := startProcess("app", filepath.Join(o.BinDir, "csv-payments-app"),
+		[]string{"--input", in, "--out-dir", runDir}, appEnv, runDir, o.Out)
+	if err != nil {
+		return err
+	}
+	procs = append(procs, app)
+	if err := app.wait(ctx); err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		return fmt.Errorf("%w: %v (see %s/app.log)", ErrDemoFailed, err, runDir)
+	}
+	return nil
+}
+
+const (
+	executionTopic      = "capstan.executions"
+	executionPartitions = 8
+)
+
+type stack struct {
+	gateway, gatewayAdmin, dispatcher, dispatcherAdmin, consumerAdmin, routerAdmin, provider, app int
+	dbURL                                                                                         string
+	brokers                                                                                       []string
+}
+
+// config renders the daemons' configuration with time compressed for the
+// demo: retries after 200 ms … 5 s instead of 1 min … 6 h.
+func (s stack) config() string {
+	return fmt.Sprintf(`# Written by capstanctl dev for one run; time is compressed for the demo.
+database:
+  url: %q
+kafka:
+  brokers: [%s]
+  execution_topic: %s
+  execution_partitions: %d
+gateway:
+  listen: 127.0.0.1:%d
+  admin_listen: 127.0.0.1:%d
+  dispatcher_addr: 127.0.0.1:%d
+dispatcher:
+  listen: 127.0.0.1:%d
+  admin_listen: 127.0.0.1:%d
+  pass_interval: 200ms
+consumer:
+  admin_listen: 127.0.0.1:%d
+  reap_interval: 1s
+  max_in_flight: 256
+router:
+  admin_listen: 127.0.0.1:%d
+  poll_interval: 100ms
+  retry_delays: [200ms, 1s, 2s, 5s, 10s]
+  timeout: 5s
+  claim_ttl: 20s
+log:
+  level: info
+capabilities:
+  - name: payments.send
+    release: v1
+    adapter: 127.0.0.1:%d
+    max_attempts: 10
+    retry_delays: [200ms, 500ms, 1s, 2s, 5s]
+    attempt_timeout: 5s
+    lease_duration: 10s
+    async_budget: 10m
+`, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
+		s.gateway, s.gatewayAdmin, s.dispatcher, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider)
+}
+
+func createDatabase(ctx context.Context, adminURL, name string) error {
+	conn, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return err
+	}
+	defer conn.Close(ctx)
+	_, err = conn.Exec(ctx, "CREATE DATABASE "+pgx.Identifier{name}.Sanitize())
+	if err != nil {
+		return fmt.Errorf("create database %s: %w", name, err)
+	}
+	return nil
+}
+
+// waitReady polls url until it answers 200, a process exits, or timeout.
+func waitReady(ctx context.Context, url string, timeout time.Duration, procs []*process) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+		resp, err := http.DefaultClient.Do(req)
+		if err == nil {
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+		}
+		for _, p := range procs {
+			if p.cmd.ProcessState != nil || len(p.done) > 0 {
+				return fmt.Errorf("%s exited during start; see %s.log in the run folder", p.name, p.name)
+			}
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%s not ready after %v", url, timeout)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+func randomKey(prefix string) string {
+	b := make([]byte, 24)
+	_, _ = rand.Read(b)
+	return prefix + hex.EncodeToString(b)
+}
+
+func randomB64(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return base64.StdEncoding.EncodeToString(b)
+}

@@ -1,0 +1,161 @@
+// Package gateway implements cmd/gateway: the ExecutionService that
+// applications call (SYSTEM §4 hop 1). It authenticates the application,
+// validates the call, commits the execution and its first dispatch record
+// in one transaction, answers only after the commit, and nudges the
+// dispatcher on a best-effort basis.
+package gateway
+
+import (
+	"context"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"log/slog"
+
+	"github.com/google/uuid"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
+)
+
+// DefaultContentType is used when InvokeCapability gives none.
+const DefaultContentType = "application/json"
+
+// ExecutionService implements executionv1.ExecutionServiceServer.
+type ExecutionService struct {
+	executionv1.UnimplementedExecutionServiceServer
+	store  *pgstore.Store
+	cfg    *config.Config
+	nudge  func()
+	logger *slog.Logger
+}
+
+// NewExecutionService returns the service; nudge (may be nil) is called
+// after every commit of new work.
+func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(), logger *slog.Logger) *ExecutionService {
+	if nudge == nil {
+		nudge = func() {}
+	}
+	return &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger}
+}
+
+// requestHash identifies "the same request" for an idempotency key:
+// SHA-256 over capability, content type and input, NUL-separated.
+func requestHash(capability, contentType string, input []byte) []byte {
+	h := sha256.New()
+	h.Write([]byte(capability))
+	h.Write([]byte{0})
+	h.Write([]byte(contentType))
+	h.Write([]byte{0})
+	h.Write(input)
+	return h.Sum(nil)
+}
+
+// InvokeCapability implements SYSTEM §4 hop 1; see the proto for codes.
+func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv1.InvokeCapabilityRequest) (*executionv1.InvokeCapabilityResponse, error) {
+	app, ok := applicationFrom(ctx)
+	if !ok {
+		return nil, execution.ErrUnauthenticated
+	}
+	if err := checkText("capability", req.GetCapability(), true, maxCapabilityBytes); err != nil {
+		return nil, err
+	}
+	if err := checkText("content_type", req.GetContentType(), false, maxContentTypeBytes); err != nil {
+		return nil, err
+	}
+	if err := checkText("idempotency_key", req.GetIdempotencyKey(), false, maxIdempotencyBytes); err != nil {
+		return nil, err
+	}
+	if n := len(req.GetInput()); n > s.cfg.Gateway.MaxInputBytes {
+		return nil, &execution.InvalidArgumentError{Field: "input",
+			Reason: fmt.Sprintf("%d bytes, at most %d allowed", n, s.cfg.Gateway.MaxInputBytes)}
+	}
+	capb, ok := s.cfg.Lookup(req.GetCapability())
+	if !ok {
+		return nil, fmt.Errorf("%w: %q", execution.ErrUnknownCapability, req.GetCapability())
+	}
+	policy := capb.Policy()
+	if policy.Mode == execution.ModeSync {
+		return nil, &execution.InvalidArgumentError{Field: "capability",
+			Reason: fmt.Sprintf("%q is a SYNC release; synchronous execution is not available in this version", capb.Name)}
+	}
+	contentType := req.GetContentType()
+	if contentType == "" {
+		contentType = DefaultContentType
+	}
+	e, created, err := s.store.ExecutionInsert(ctx, pgstore.ExecutionInsertParams{
+		ApplicationID:  app.ID,
+		Capability:     capb.Name,
+		Release:        capb.Release,
+		Mode:           policy.Mode,
+		MaxAttempts:    policy.MaxAttempts,
+		Input:          req.GetInput(),
+		ContentType:    contentType,
+		IdempotencyKey: req.GetIdempotencyKey(),
+		RequestHash:    requestHash(capb.Name, contentType, req.GetInput()),
+		AsyncBudget:    policy.AsyncBudget,
+		Status:         execution.StatusQueued,
+	})
+	if err != nil {
+		if !errors.Is(err, execution.ErrIdempotencyConflict) {
+			s.logger.Warn("invoke not accepted", "application_id", app.ID, "capability", capb.Name, "error", err)
+		}
+		return nil, err
+	}
+	acceptance := executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_DUPLICATE
+	if created {
+		acceptance = executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_ACCEPTED
+		s.nudge()
+	}
+	return &executionv1.InvokeCapabilityResponse{
+		ExecutionId: e.ID.String(),
+		Acceptance:  acceptance,
+		Status:      pgstore.StatusToProto(e.Status),
+	}, nil
+}
+
+// GetExecution returns one execution of the calling application.
+func (s *ExecutionService) GetExecution(ctx context.Context, req *executionv1.GetExecutionRequest) (*executionv1.GetExecutionResponse, error) {
+	app, ok := applicationFrom(ctx)
+	if !ok {
+		return nil, execution.ErrUnauthenticated
+	}
+	id, err := uuid.Parse(req.GetExecutionId())
+	if err != nil {
+		return nil, &execution.InvalidArgumentError{Field: "execution_id", Reason: "not a UUID"}
+	}
+	if app.ID == uuid.Nil { // never: uuid.Nil would disable the tenancy filter
+		return nil, execution.ErrUnauthenticated
+	}
+	e, err := s.store.ExecutionGet(ctx, app.ID, id)
+	if err != nil {
+		return nil, err
+	}
+	return &executionv1.GetExecutionResponse{Execution: ToProto(e)}, nil
+}
+
+// ToProto maps a stored execution to its API form.
+func ToProto(e execution.Execution) *executionv1.Execution {
+	out := &executionv1.Execution{
+		ExecutionId:       e.ID.String(),
+		Capability:        e.Capability,
+		Release:           e.Release,
+		Status:            pgstore.StatusToProto(e.Status),
+		Attempts:          int32(e.Attempt),
+		IdempotencyKey:    e.IdempotencyKey,
+		CreatedAt:         timestamppb.New(e.CreatedAt),
+		UpdatedAt:         timestamppb.New(e.UpdatedAt),
+		Output:            e.Output,
+		OutputContentType: e.OutputType,
+	}
+	if !e.SettledAt.IsZero() {
+		out.SettledAt = timestamppb.New(e.SettledAt)
+	}
+	if e.Failure != nil && e.Status.Terminal() {
+		out.Failure = &executionv1.Failure{Class: e.Failure.Class, Reason: e.Failure.Reason, Message: e.Failure.Message}
+	}
+	return out
+}
