@@ -34,10 +34,13 @@ type ExecutionService struct {
 }
 
 // NewExecutionService returns the service; nudge (may be nil) is called
-// after every commit of new work.
+// after every commit of new work; a nil logger discards.
 func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(), logger *slog.Logger) *ExecutionService {
 	if nudge == nil {
 		nudge = func() {}
+	}
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
 	}
 	return &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger}
 }

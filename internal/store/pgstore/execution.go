@@ -95,6 +95,9 @@ type ExecutionInsertParams struct {
 // with one key create exactly one execution: the unique index makes the
 // second wait for the first's commit and then see its row.
 func (s *Store) ExecutionInsert(ctx context.Context, p ExecutionInsertParams) (e execution.Execution, created bool, err error) {
+	if p.Input == nil {
+		p.Input = []byte{} // an empty input is a value, not NULL
+	}
 	err = s.withTx(ctx, func(tx pgx.Tx) error {
 		id := uuid.New()
 		var leaseToken *uuid.UUID
