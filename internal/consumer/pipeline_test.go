@@ -1,0 +1,267 @@
+package consumer_test
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"net"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
+	"github.com/stretchr/testify/require"
+	"github.com/twmb/franz-go/pkg/kgo"
+	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
+
+	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/consumer"
+	"github.com/capstan-dev/capstan/internal/dispatcher"
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/kafka"
+	"github.com/capstan-dev/capstan/internal/kafkatest"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
+	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
+	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.RunMain(m)) }
+
+// fakeAdapter answers Execute with a scripted function and counts calls per
+// execution.
+type fakeAdapter struct {
+	adapterv1.UnimplementedAdapterServiceServer
+	answer func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error)
+	mu     sync.Mutex
+	calls  map[string]int
+}
+
+func (f *fakeAdapter) Execute(_ context.Context, req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+	f.mu.Lock()
+	f.calls[req.GetExecutionId()]++
+	f.mu.Unlock()
+	return f.answer(req)
+}
+
+func (f *fakeAdapter) callsOf(id uuid.UUID) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.calls[id.String()]
+}
+
+func ok(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+	return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Result{Result: &adapterv1.Result{Output: []byte(`{"ok":true}`)}}}, nil
+}
+
+type pipeline struct {
+	store   *pgstore.Store
+	url     string
+	cfg     *config.Config
+	adapter *fakeAdapter
+	brokers []string
+	app     pgstore.Application
+}
+
+// startPipeline runs a dispatcher and a consumer in this process against a
+// fresh database, an embedded Kafka and a fake adapter.
+func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error)) *pipeline {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	url := pgtest.NewDatabase(t, func(ctx context.Context, url string) error {
+		_, err := pgstore.Migrate(ctx, url, nil)
+		return err
+	})
+	st, err := pgstore.Open(ctx, url, nil)
+	require.NoError(t, err)
+	app, err := st.ApplicationUpsert(ctx, pgstore.ApplicationUpsertParams{Name: "a", APIKey: "k"})
+	require.NoError(t, err)
+
+	topic := "capstan.executions"
+	kc, err := kafkatest.Start(ctx, kafkatest.Options{Topics: map[string]int32{topic: 4}})
+	require.NoError(t, err)
+
+	fa := &fakeAdapter{answer: answer, calls: map[string]int{}}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer()
+	adapterv1.RegisterAdapterServiceServer(gs, fa)
+	go func() { _ = gs.Serve(lis) }()
+
+	cfg := &config.Config{
+		Kafka:      config.Kafka{Brokers: kc.Brokers(), ExecutionTopic: topic},
+		Dispatcher: config.Dispatcher{PassInterval: 50 * time.Millisecond, BatchSize: 100, ClaimTTL: 5 * time.Second},
+		Consumer:   config.Consumer{Group: "g", MaxInFlight: 16, ReapInterval: 100 * time.Millisecond},
+		Capabilities: []config.Capability{{Name: "payments.send", Release: "v1", Adapter: lis.Addr().String(),
+			RetryDelays: []time.Duration{10 * time.Millisecond}, LeaseDuration: 2 * time.Second, AttemptTimeout: 2 * time.Second}},
+	}
+	logger := slog.New(slog.DiscardHandler)
+	prod, err := kafka.NewClient(cfg.Kafka.Brokers, logger, kgo.DefaultProduceTopic(topic))
+	require.NoError(t, err)
+	d := dispatcher.New(st, prod, cfg.Dispatcher, topic, "d1", logger)
+	offsets := consumer.NewOffsetTracker()
+	cons, err := kafka.NewClient(cfg.Kafka.Brokers, logger, consumer.ClientOpts(cfg, offsets, logger)...)
+	require.NoError(t, err)
+	c := consumer.New(st, cons, cfg, offsets, "w1", logger)
+
+	var wg sync.WaitGroup
+	for _, run := range []func(context.Context) error{d.Run, c.Run, func(ctx context.Context) error { return c.Reap(ctx, cfg.Consumer.ReapInterval) }} {
+		wg.Add(1)
+		go func() { defer wg.Done(); _ = run(ctx) }()
+	}
+	t.Cleanup(func() {
+		cancel()
+		wg.Wait()
+		cons.Close()
+		prod.Close()
+		gs.Stop()
+		kc.Close()
+		st.Close()
+	})
+	return &pipeline{store: st, url: url, cfg: cfg, adapter: fa, brokers: kc.Brokers(), app: app}
+}
+
+func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
+	t.Helper()
+	ids := make([]uuid.UUID, n)
+	for i := range n {
+		e, _, err := p.store.ExecutionInsert(context.Background(), pgstore.ExecutionInsertParams{
+			ApplicationID: p.app.ID, Capability: "payments.send", Release: "v1", Mode: execution.ModeAsync,
+			MaxAttempts: 10, Input: []byte(fmt.Sprintf(`{"i":%d}`, i)), ContentType: "application/json",
+			RequestHash: []byte{byte(i)}, AsyncBudget: time.Hour, Status: execution.StatusQueued,
+		})
+		require.NoError(t, err)
+		ids[i] = e.ID
+	}
+	return ids
+}
+
+func (p *pipeline) waitSettled(t *testing.T, ids []uuid.UUID) map[uuid.UUID]execution.Execution {
+	t.Helper()
+	out := map[uuid.UUID]execution.Execution{}
+	require.Eventually(t, func() bool {
+		for _, id := range ids {
+			if _, done := out[id]; done {
+				continue
+			}
+			e, err := p.store.ExecutionGet(context.Background(), uuid.Nil, id)
+			require.NoError(t, err)
+			if !e.Status.Terminal() {
+				return false
+			}
+			out[id] = e
+		}
+		return true
+	}, 30*time.Second, 20*time.Millisecond)
+	return out
+}
+
+func (p *pipeline) count(t *testing.T, sql string, args ...any) int {
+	t.Helper()
+	conn, err := pgx.Connect(context.Background(), p.url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var n int
+	require.NoError(t, conn.QueryRow(context.Background(), sql, args...).Scan(&n))
+	return n
+}
+
+func TestPipelineHealthyPath(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, ok)
+	ids := p.invoke(t, 40)
+	settled := p.waitSettled(t, ids)
+	for _, id := range ids {
+		require.Equal(t, execution.StatusSucceeded, settled[id].Status)
+		require.Equal(t, 1, settled[id].Attempt)
+		require.Equal(t, 1, p.adapter.callsOf(id))
+	}
+	require.Equal(t, 40, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+func TestPipelineRetriesThenSettles(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		if req.GetAttempt() < 3 {
+			return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Failure{Failure: &adapterv1.Failure{
+				Class: "provider.unavailable", Retryable: true}}}, nil
+		}
+		return ok(req)
+	})
+	ids := p.invoke(t, 5)
+	settled := p.waitSettled(t, ids)
+	for _, id := range ids {
+		require.Equal(t, execution.StatusSucceeded, settled[id].Status)
+		require.Equal(t, 3, settled[id].Attempt)
+		require.Equal(t, 3, p.count(t, `SELECT count(*) FROM attempts WHERE execution_id = $1`, id))
+		require.Equal(t, 2, p.count(t, `SELECT count(*) FROM attempts WHERE execution_id = $1 AND outcome = 'RETRYABLE_FAILURE'`, id))
+	}
+	require.Equal(t, 5, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+func TestPipelineTerminalFailure(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Failure{Failure: &adapterv1.Failure{
+			Class: "payment.declined", Message: "over the limit"}}}, nil
+	})
+	ids := p.invoke(t, 3)
+	for _, e := range p.waitSettled(t, ids) {
+		require.Equal(t, execution.StatusFailed, e.Status)
+		require.Equal(t, "payment.declined", e.Failure.Class)
+		require.Equal(t, 1, e.Attempt, "a terminal failure is not retried")
+	}
+}
+
+// TestPipelineDuplicateAndGarbageRecords publishes every dispatch several
+// more times, concurrently and out of order, plus undecodable records on the
+// same partitions: each execution still runs one attempt, and the garbage
+// does not block its partition.
+func TestPipelineDuplicateAndGarbageRecords(t *testing.T) {
+	t.Parallel()
+	release := make(chan struct{})
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		<-release
+		return ok(req)
+	})
+	ids := p.invoke(t, 10)
+	prod, err := kafka.NewClient(p.brokers, slog.New(slog.DiscardHandler), kgo.DefaultProduceTopic(p.cfg.Kafka.ExecutionTopic))
+	require.NoError(t, err)
+	defer prod.Close()
+	var recs []*kgo.Record
+	for _, id := range ids {
+		v, err := proto.Marshal(&dispatchv1.ExecutionDispatch{DispatchId: uuid.NewString(), ExecutionId: id.String(), Attempt: 1})
+		require.NoError(t, err)
+		key := []byte(id.String())
+		recs = append(recs, &kgo.Record{Key: key, Value: []byte("\xff\xffnot a protobuf")})
+		for range 3 {
+			recs = append(recs, &kgo.Record{Key: key, Value: v})
+		}
+		// An obsolete dispatch for an attempt that never comes.
+		old, _ := proto.Marshal(&dispatchv1.ExecutionDispatch{DispatchId: uuid.NewString(), ExecutionId: id.String(), Attempt: 7})
+		recs = append(recs, &kgo.Record{Key: key, Value: old})
+	}
+	var wg sync.WaitGroup
+	var produced atomic.Int64
+	for _, r := range recs {
+		wg.Add(1)
+		prod.Produce(context.Background(), r, func(_ *kgo.Record, err error) {
+			defer wg.Done()
+			require.NoError(t, err)
+			produced.Add(1)
+		})
+	}
+	wg.Wait()
+	close(release)
+	settled := p.waitSettled(t, ids)
+	for _, id := range ids {
+		require.Equal(t, execution.StatusSucceeded, settled[id].Status)
+		require.Equal(t, 1, p.count(t, `SELECT count(*) FROM attempts WHERE execution_id = $1`, id), "one attempt despite 4 deliveries")
+		require.Equal(t, 1, p.adapter.callsOf(id))
+	}
+	require.Equal(t, 10, p.count(t, `SELECT count(*) FROM completion_events`))
+}
