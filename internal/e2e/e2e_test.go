@@ -200,4 +200,3 @@ func TestCSVPaymentsThroughTheDaemons(t *testing.T) {
 		require.Equal(t, rows[i][:col["Attempts"]], rows2[i][:col["Attempts"]], "same outcome for row %d", i)
 	}
 }
-
