@@ -1,0 +1,281 @@
+package router
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"os"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+
+	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+)
+
+// Backoff bounds for riding out database errors.
+const (
+	// claimBackoffMin and claimBackoffMax bound the wait after a failed
+	// claim (exponential, ±50 % randomised).
+	claimBackoffMin = 250 * time.Millisecond
+	claimBackoffMax = 30 * time.Second
+	// recordBackoffMin and recordBackoffMax bound the wait between tries
+	// to record one attempt.
+	recordBackoffMin = 100 * time.Millisecond
+	recordBackoffMax = 5 * time.Second
+	// recordMinWindow is the least time given to recording an attempt,
+	// even when the local estimate of the claim's expiry has passed (the
+	// database clock decides).
+	recordMinWindow = 5 * time.Second
+)
+
+// Router delivers completion events to the applications' webhooks. Create it
+// with New; it is safe for concurrent use, but Run must not run twice at
+// once.
+type Router struct {
+	store    *pgstore.Store
+	cfg      config.Router
+	logger   *slog.Logger
+	client   *http.Client
+	now      func() time.Time
+	workerID string
+	// sem holds one token per delivery in flight, shared across batches;
+	// its capacity is cfg.Concurrency.
+	sem   chan struct{}
+	stats counters
+	// recorded, when non-nil, is called at the end of every attempt with
+	// what was recorded and the record's error. It is a test signal.
+	recorded func(p pgstore.EventResultParams, err error)
+}
+
+// New returns a router that claims events from store and delivers them as
+// cfg says (see config.Router for every field and its default). cfg must
+// pass config.Validate: New panics, naming the field, when Concurrency,
+// BatchSize, PollInterval or Timeout is not positive or ClaimTTL does not
+// exceed Timeout. A nil logger discards logs.
+func New(store *pgstore.Store, cfg config.Router, logger *slog.Logger, opts ...Option) *Router {
+	switch {
+	case cfg.Concurrency <= 0:
+		panic(fmt.Sprintf("router: concurrency %d: want > 0", cfg.Concurrency))
+	case cfg.BatchSize <= 0:
+		panic(fmt.Sprintf("router: batch_size %d: want > 0", cfg.BatchSize))
+	case cfg.PollInterval <= 0:
+		panic(fmt.Sprintf("router: poll_interval %v: want > 0", cfg.PollInterval))
+	case cfg.Timeout <= 0:
+		panic(fmt.Sprintf("router: timeout %v: want > 0", cfg.Timeout))
+	case cfg.ClaimTTL <= cfg.Timeout:
+		panic(fmt.Sprintf("router: claim_ttl %v: must exceed timeout %v", cfg.ClaimTTL, cfg.Timeout))
+	}
+	if logger == nil {
+		logger = slog.New(slog.DiscardHandler)
+	}
+	r := &Router{
+		store:    store,
+		cfg:      cfg,
+		logger:   logger,
+		now:      time.Now,
+		workerID: defaultWorkerID(),
+		sem:      make(chan struct{}, cfg.Concurrency),
+	}
+	for _, o := range opts {
+		o(r)
+	}
+	if r.client == nil {
+		r.client = newHTTPClient(cfg.AllowPrivateAddresses)
+	}
+	return r
+}
+
+func defaultWorkerID() string {
+	host, err := os.Hostname()
+	if err != nil || host == "" {
+		host = "router"
+	}
+	return host + "-" + strconv.Itoa(os.Getpid())
+}
+
+// Stats returns the counters since New.
+func (r *Router) Stats() Stats { return r.stats.snapshot() }
+
+// Run claims and delivers events until ctx ends, then stops claiming, lets
+// the deliveries in flight finish (each bounded by cfg.Timeout) and returns
+// nil. Database errors never end it: a failed claim is logged and retried
+// with exponential backoff (250ms up to 30s).
+//
+// Each pass claims as many events as there are free delivery slots (at most
+// cfg.BatchSize) and starts a goroutine per event. When the claim was full,
+// the next pass starts as soon as a slot is free; otherwise it waits
+// cfg.PollInterval.
+func (r *Router) Run(ctx context.Context) error {
+	r.logger.InfoContext(ctx, "router started", "worker_id", r.workerID,
+		"concurrency", r.cfg.Concurrency, "batch_size", r.cfg.BatchSize)
+	var wg sync.WaitGroup
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval, bo.MaxInterval = claimBackoffMin, claimBackoffMax
+	for ctx.Err() == nil {
+		n := r.acquire(ctx)
+		if n == 0 {
+			break
+		}
+		claimedAt := time.Now()
+		events, err := r.store.EventClaim(ctx, pgstore.EventClaimParams{
+			Owner: r.workerID, Limit: n, ClaimFor: r.cfg.ClaimTTL,
+		})
+		if err != nil {
+			// Events claimed by a failed call are not delivered; their
+			// claims expire and they are claimed again.
+			r.release(n)
+			if ctx.Err() != nil {
+				break
+			}
+			pause := bo.NextBackOff()
+			r.logger.WarnContext(ctx, "claim events failed; backing off", "error", err, "backoff", pause)
+			if !sleep(ctx, pause) {
+				break
+			}
+			continue
+		}
+		bo.Reset()
+		r.release(n - len(events))
+		claimEnds := claimedAt.Add(r.cfg.ClaimTTL)
+		for _, ev := range events {
+			wg.Go(func() {
+				defer r.release(1)
+				r.handle(ctx, ev, claimEnds)
+			})
+		}
+		if len(events) < n && !sleep(ctx, r.cfg.PollInterval) {
+			break
+		}
+	}
+	r.logger.InfoContext(ctx, "router stopping; draining deliveries in flight")
+	wg.Wait()
+	r.client.CloseIdleConnections()
+	r.logger.InfoContext(ctx, "router stopped")
+	return nil
+}
+
+// acquire takes one delivery slot, waiting for it, then every further free
+// slot up to cfg.BatchSize without waiting. It returns how many it took, 0
+// when ctx ended first.
+func (r *Router) acquire(ctx context.Context) int {
+	select {
+	case r.sem <- struct{}{}:
+	case <-ctx.Done():
+		return 0
+	}
+	n := 1
+	for n < r.cfg.BatchSize {
+		select {
+		case r.sem <- struct{}{}:
+			n++
+		default:
+			return n
+		}
+	}
+	return n
+}
+
+// release gives n slots back.
+func (r *Router) release(n int) {
+	for range n {
+		<-r.sem
+	}
+}
+
+// handle makes one delivery attempt of ev and records it. The attempt is
+// not cut short when ctx ends (it is bounded by cfg.Timeout), so a graceful
+// stop records what receivers answered.
+func (r *Router) handle(ctx context.Context, ev pgstore.EventDelivery, claimEnds time.Time) {
+	started := r.now()
+	res := r.deliver(context.WithoutCancel(ctx), ev)
+	p := pgstore.EventResultParams{
+		ID:         ev.ID,
+		ClaimToken: ev.ClaimToken,
+		Attempt:    ev.Attempts + 1,
+		StartedAt:  started,
+		StatusCode: res.StatusCode,
+		Error:      res.Error,
+		Delivered:  res.Delivered,
+	}
+	if !res.Delivered {
+		p.RetryAfter, p.Dead = RetryAfter(p.Attempt, r.cfg.RetryDelays, r.cfg.Jitter, rand.Float64())
+	}
+	err := r.record(ctx, p, claimEnds)
+	r.report(ctx, ev, p, res, err)
+	if r.recorded != nil {
+		r.recorded(p, err)
+	}
+}
+
+// record stores the attempt, retrying database errors with backoff until
+// the claim would have expired. It does not retry a lost claim
+// (execution.ErrConflict), nor anything once ctx has ended.
+func (r *Router) record(ctx context.Context, p pgstore.EventResultParams, claimEnds time.Time) error {
+	deadline := claimEnds
+	if least := time.Now().Add(recordMinWindow); deadline.Before(least) {
+		deadline = least
+	}
+	rctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), deadline)
+	defer cancel()
+	bo := backoff.NewExponentialBackOff()
+	bo.InitialInterval, bo.MaxInterval = recordBackoffMin, recordBackoffMax
+	_, err := backoff.Retry(rctx, func() (struct{}, error) {
+		err := r.store.EventRecordResult(rctx, p)
+		if err != nil && (errors.Is(err, execution.ErrConflict) || ctx.Err() != nil) {
+			return struct{}{}, backoff.Permanent(err)
+		}
+		return struct{}{}, err
+	}, backoff.WithBackOff(bo), backoff.WithNotify(func(err error, wait time.Duration) {
+		r.logger.WarnContext(ctx, "record delivery attempt failed; retrying", "event_id", p.ID,
+			"attempt", p.Attempt, "error", err, "backoff", wait)
+	}))
+	if err != nil {
+		return fmt.Errorf("record attempt %d of event %s: %w", p.Attempt, p.ID, err)
+	}
+	return nil
+}
+
+// report logs and counts one recorded (or unrecorded) attempt. It logs no
+// payload, URL, secret or response data.
+func (r *Router) report(ctx context.Context, ev pgstore.EventDelivery, p pgstore.EventResultParams, res attemptResult, err error) {
+	attrs := []any{"event_id", ev.ID, "application_id", ev.ApplicationID, "execution_id", ev.ExecutionID,
+		"attempt", p.Attempt, "status_code", res.StatusCode}
+	switch {
+	case errors.Is(err, execution.ErrConflict):
+		r.stats.conflicts.Add(1)
+		r.logger.InfoContext(ctx, "delivery attempt not recorded: claim lost to another router", attrs...)
+	case err != nil:
+		r.logger.WarnContext(ctx, "delivery attempt not recorded; the event is retried after its claim expires",
+			append(attrs, "error", err)...)
+	case p.Delivered:
+		r.stats.delivered.Add(1)
+		r.logger.DebugContext(ctx, "event delivered", attrs...)
+	case p.Dead:
+		r.stats.failed.Add(1)
+		r.stats.dead.Add(1)
+		r.logger.WarnContext(ctx, "event dead: delivery failed too often", append(attrs, "reason", res.Reason)...)
+	default:
+		r.stats.failed.Add(1)
+		r.logger.InfoContext(ctx, "event delivery failed; retry scheduled",
+			append(attrs, "reason", res.Reason, "retry_after", p.RetryAfter)...)
+	}
+}
+
+// sleep waits d or until ctx ends; it reports whether ctx is still live.
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
+}

@@ -1,0 +1,49 @@
+package router
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+
+	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/daemon"
+	"github.com/capstan-dev/capstan/internal/store/pgstore"
+)
+
+// Main runs the router daemon until ctx ends: it opens the store (applying
+// migrations first when cfg.Database.MigrateOnStart), serves /healthz and
+// /readyz on cfg.Router.AdminListen (ready when store.Ping succeeds; ""
+// disables the admin server) and runs a Router, draining deliveries in
+// flight on shutdown. It returns nil after a clean stop, or the first error:
+// a bad database URL, a failed migration, an admin address that cannot be
+// bound, or a failing admin server.
+func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
+	store, err := pgstore.Open(ctx, cfg.Database.URL, logger)
+	if err != nil {
+		return fmt.Errorf("router: %w", err)
+	}
+	defer store.Close()
+	if cfg.Database.MigrateOnStart {
+		v, err := pgstore.Migrate(ctx, cfg.Database.URL, logger)
+		if err != nil {
+			return fmt.Errorf("router: %w", err)
+		}
+		logger.InfoContext(ctx, "database migrated", "schema_version", v)
+	}
+	lis, err := daemon.Listen(cfg.Router.AdminListen)
+	if err != nil {
+		return fmt.Errorf("router: admin: %w", err)
+	}
+	health := daemon.NewHealth(store.Ping)
+	g, gctx := daemon.NewGroup(ctx)
+	if lis != nil {
+		logger.InfoContext(ctx, "admin http listening", "addr", lis.Addr().String())
+		g.Go(func() error { return daemon.ServeHTTP(gctx, health.Handler(), lis, daemon.Grace) })
+	}
+	r := New(store, cfg.Router, logger)
+	g.Go(func() error { return r.Run(gctx) })
+	if err := g.Wait(); err != nil {
+		return fmt.Errorf("router: %w", err)
+	}
+	return nil
+}
