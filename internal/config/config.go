@@ -99,6 +99,9 @@ type Consumer struct {
 	ReapInterval time.Duration `mapstructure:"reap_interval"`
 	// WorkerID names this process in leases; default hostname-pid.
 	WorkerID string `mapstructure:"worker_id"`
+	// SessionTimeout is the Kafka group session timeout: how long a silent
+	// member keeps its partitions before a rebalance. Default 45s.
+	SessionTimeout time.Duration `mapstructure:"session_timeout"`
 }
 
 // Router configures cmd/router.
@@ -215,6 +218,7 @@ func setDefaults(v *viper.Viper) {
 	v.SetDefault("consumer.group", "capstan-consumer")
 	v.SetDefault("consumer.max_in_flight", 256)
 	v.SetDefault("consumer.reap_interval", 5*time.Second)
+	v.SetDefault("consumer.session_timeout", 45*time.Second)
 	v.SetDefault("router.admin_listen", ":7238")
 	v.SetDefault("router.poll_interval", 500*time.Millisecond)
 	v.SetDefault("router.batch_size", 200)
@@ -307,6 +311,9 @@ func (c *Config) Validate() error {
 	}
 	if c.Consumer.MaxInFlight <= 0 || c.Consumer.MaxInFlight > 100000 {
 		return bad("consumer.max_in_flight", "%d: want 1..100000", c.Consumer.MaxInFlight)
+	}
+	if c.Consumer.SessionTimeout < time.Second || c.Consumer.SessionTimeout > 30*time.Minute {
+		return bad("consumer.session_timeout", "%v: want 1s..30m", c.Consumer.SessionTimeout)
 	}
 	if c.Consumer.ReapInterval <= 0 {
 		return bad("consumer.reap_interval", "want > 0")

@@ -15,6 +15,7 @@
 package consumer
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -78,6 +79,7 @@ func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger)
 		kgo.ConsumerGroup(cfg.Consumer.Group),
 		kgo.ConsumeTopics(cfg.Kafka.ExecutionTopic),
 		kgo.AutoCommitMarks(),
+		kgo.SessionTimeout(cmp.Or(cfg.Consumer.SessionTimeout, 45*time.Second)),
 		kgo.AutoCommitInterval(time.Second),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
