@@ -162,3 +162,59 @@ func ToProto(e execution.Execution) *executionv1.Execution {
 	}
 	return out
 }
+
+// maxCancelReasonBytes bounds CancelExecutionRequest.reason.
+const maxCancelReasonBytes = 1024
+
+// ClassCancelled is the failure class of a cancelled execution.
+const ClassCancelled = "execution.cancelled"
+
+// CancelExecution settles the execution CANCELLED (SYSTEM §3: any
+// non-terminal → terminal, guarded by the version as read). When a
+// concurrent writer moves the execution between the read and the
+// settlement, it reads again, up to a few times.
+func (s *ExecutionService) CancelExecution(ctx context.Context, req *executionv1.CancelExecutionRequest) (*executionv1.CancelExecutionResponse, error) {
+	app, ok := applicationFrom(ctx)
+	if !ok || app.ID == uuid.Nil {
+		return nil, execution.ErrUnauthenticated
+	}
+	id, err := uuid.Parse(req.GetExecutionId())
+	if err != nil {
+		return nil, &execution.InvalidArgumentError{Field: "execution_id", Reason: "not a UUID"}
+	}
+	if err := checkText("reason", req.GetReason(), false, maxCancelReasonBytes); err != nil {
+		return nil, err
+	}
+	msg := req.GetReason()
+	if msg == "" {
+		msg = "cancelled by the application"
+	}
+	for range 5 {
+		e, err := s.store.ExecutionGet(ctx, app.ID, id)
+		if err != nil {
+			return nil, err
+		}
+		if e.Status == execution.StatusCancelled {
+			return &executionv1.CancelExecutionResponse{Execution: ToProto(e)}, nil
+		}
+		if e.Status.Terminal() {
+			return nil, fmt.Errorf("%w: execution %s already settled as %s", execution.ErrConflict, id, e.Status)
+		}
+		settled, err := s.store.ExecutionSettle(ctx, pgstore.SettleParams{
+			ExecutionID: id, Fence: pgstore.Fence{Version: e.Version, Attempt: e.Attempt},
+			Status:  execution.StatusCancelled,
+			Failure: &execution.Failure{Class: ClassCancelled, Reason: execution.ReasonByCaller, Message: msg},
+			// A running attempt is closed as abandoned: its later answer is fenced out.
+			AttemptOutcome: "ABANDONED",
+		})
+		if errors.Is(err, execution.ErrConflict) {
+			continue // moved meanwhile: read again
+		}
+		if err != nil {
+			return nil, err
+		}
+		s.logger.Info("execution cancelled", "execution_id", id, "application_id", app.ID)
+		return &executionv1.CancelExecutionResponse{Execution: ToProto(settled)}, nil
+	}
+	return nil, fmt.Errorf("%w: execution %s kept changing; try again", execution.ErrUnavailable, id)
+}

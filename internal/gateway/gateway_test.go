@@ -10,6 +10,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/google/uuid"
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"google.golang.org/grpc"
@@ -19,6 +20,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/gateway"
 	"github.com/capstan-dev/capstan/internal/pgcluster"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
@@ -178,4 +180,63 @@ func TestInvokeUnavailableWhenDatabaseIsDown(t *testing.T) {
 		}
 		return err == nil
 	}, 20*time.Second, 100*time.Millisecond, "the gateway recovers by itself")
+}
+
+func TestCancelExecution(t *testing.T) {
+	t.Parallel()
+	b := serve(t, pgtest.NewDatabase(t, migrate))
+	ctx := context.Background()
+	st, err := pgstore.Open(ctx, b.url, nil)
+	require.NoError(t, err)
+	defer st.Close()
+	invoke := func(key string) string {
+		resp, err := b.client.InvokeCapability(as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.send", IdempotencyKey: key})
+		require.NoError(t, err)
+		return resp.ExecutionId
+	}
+
+	// A running attempt is cancelled; its later answer changes nothing.
+	running := invoke("running")
+	e, err := st.AttemptStart(ctx, pgstore.AttemptStartParams{ExecutionID: uuid.MustParse(running), Attempt: 1, Owner: "w", LeaseFor: time.Minute})
+	require.NoError(t, err)
+	_, err = b.client.CancelExecution(as("key-b"), &executionv1.CancelExecutionRequest{ExecutionId: running})
+	require.Equal(t, codes.NotFound, status.Code(err), "only the owner may cancel")
+	resp, err := b.client.CancelExecution(as("key-a"), &executionv1.CancelExecutionRequest{ExecutionId: running, Reason: "changed my mind"})
+	require.NoError(t, err)
+	require.Equal(t, executionv1.ExecutionStatus_EXECUTION_STATUS_CANCELLED, resp.Execution.Status)
+	require.Equal(t, "cancelled.by_caller", resp.Execution.Failure.Reason)
+	require.Equal(t, "changed my mind", resp.Execution.Failure.Message)
+	_, err = st.ExecutionSettle(ctx, pgstore.SettleParams{ExecutionID: e.ID,
+		Fence: pgstore.Fence{Attempt: 1, LeaseToken: e.LeaseToken}, Status: execution.StatusSucceeded})
+	require.ErrorIs(t, err, execution.ErrConflict, "the attempt's late answer is fenced out")
+
+	again, err := b.client.CancelExecution(as("key-a"), &executionv1.CancelExecutionRequest{ExecutionId: running})
+	require.NoError(t, err, "cancelling twice is idempotent")
+	require.Equal(t, resp.Execution.SettledAt.AsTime(), again.Execution.SettledAt.AsTime())
+
+	// A queued execution is cancelled and its dispatch record removed.
+	queued := invoke("queued")
+	_, err = b.client.CancelExecution(as("key-a"), &executionv1.CancelExecutionRequest{ExecutionId: queued})
+	require.NoError(t, err)
+
+	// A succeeded execution cannot be cancelled.
+	done := invoke("done")
+	d, err := st.AttemptStart(ctx, pgstore.AttemptStartParams{ExecutionID: uuid.MustParse(done), Attempt: 1, Owner: "w", LeaseFor: time.Minute})
+	require.NoError(t, err)
+	_, err = st.ExecutionSettle(ctx, pgstore.SettleParams{ExecutionID: d.ID, Fence: pgstore.Fence{Attempt: 1, LeaseToken: d.LeaseToken}, Status: execution.StatusSucceeded})
+	require.NoError(t, err)
+	_, err = b.client.CancelExecution(as("key-a"), &executionv1.CancelExecutionRequest{ExecutionId: done})
+	require.Equal(t, codes.FailedPrecondition, status.Code(err))
+	require.Contains(t, status.Convert(err).Message(), "SUCCEEDED")
+
+	conn, err := pgx.Connect(ctx, b.url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	var events, records, abandoned int
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM completion_events`).Scan(&events))
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM dispatch_records`).Scan(&records))
+	require.NoError(t, conn.QueryRow(ctx, `SELECT count(*) FROM attempts WHERE outcome = 'ABANDONED'`).Scan(&abandoned))
+	require.Equal(t, 3, events, "one event per settled execution")
+	require.Equal(t, 0, records, "settlement removes pending dispatch records")
+	require.Equal(t, 1, abandoned)
 }

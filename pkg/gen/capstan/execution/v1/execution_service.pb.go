@@ -302,6 +302,106 @@ func (x *GetExecutionResponse) GetExecution() *Execution {
 	return nil
 }
 
+// CancelExecutionRequest names the execution to cancel.
+type CancelExecutionRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Execution id (UUID).
+	ExecutionId string `protobuf:"bytes,1,opt,name=execution_id,json=executionId,proto3" json:"execution_id,omitempty"`
+	// Optional human-readable reason, stored as the failure message.
+	Reason        string `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelExecutionRequest) Reset() {
+	*x = CancelExecutionRequest{}
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelExecutionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelExecutionRequest) ProtoMessage() {}
+
+func (x *CancelExecutionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelExecutionRequest.ProtoReflect.Descriptor instead.
+func (*CancelExecutionRequest) Descriptor() ([]byte, []int) {
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CancelExecutionRequest) GetExecutionId() string {
+	if x != nil {
+		return x.ExecutionId
+	}
+	return ""
+}
+
+func (x *CancelExecutionRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// CancelExecutionResponse holds the cancelled execution.
+type CancelExecutionResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Execution     *Execution             `protobuf:"bytes,1,opt,name=execution,proto3" json:"execution,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelExecutionResponse) Reset() {
+	*x = CancelExecutionResponse{}
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelExecutionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelExecutionResponse) ProtoMessage() {}
+
+func (x *CancelExecutionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelExecutionResponse.ProtoReflect.Descriptor instead.
+func (*CancelExecutionResponse) Descriptor() ([]byte, []int) {
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *CancelExecutionResponse) GetExecution() *Execution {
+	if x != nil {
+		return x.Execution
+	}
+	return nil
+}
+
 var File_capstan_execution_v1_execution_service_proto protoreflect.FileDescriptor
 
 const file_capstan_execution_v1_execution_service_proto_rawDesc = "" +
@@ -323,14 +423,20 @@ const file_capstan_execution_v1_execution_service_proto_rawDesc = "" +
 	"\x13GetExecutionRequest\x12!\n" +
 	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\"U\n" +
 	"\x14GetExecutionResponse\x12=\n" +
+	"\texecution\x18\x01 \x01(\v2\x1f.capstan.execution.v1.ExecutionR\texecution\"S\n" +
+	"\x16CancelExecutionRequest\x12!\n" +
+	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"X\n" +
+	"\x17CancelExecutionResponse\x12=\n" +
 	"\texecution\x18\x01 \x01(\v2\x1f.capstan.execution.v1.ExecutionR\texecution*v\n" +
 	"\x10InvokeAcceptance\x12!\n" +
 	"\x1dINVOKE_ACCEPTANCE_UNSPECIFIED\x10\x00\x12\x1e\n" +
 	"\x1aINVOKE_ACCEPTANCE_ACCEPTED\x10\x01\x12\x1f\n" +
-	"\x1bINVOKE_ACCEPTANCE_DUPLICATE\x10\x022\xec\x01\n" +
+	"\x1bINVOKE_ACCEPTANCE_DUPLICATE\x10\x022\xdc\x02\n" +
 	"\x10ExecutionService\x12q\n" +
 	"\x10InvokeCapability\x12-.capstan.execution.v1.InvokeCapabilityRequest\x1a..capstan.execution.v1.InvokeCapabilityResponse\x12e\n" +
-	"\fGetExecution\x12).capstan.execution.v1.GetExecutionRequest\x1a*.capstan.execution.v1.GetExecutionResponseB\xec\x01\n" +
+	"\fGetExecution\x12).capstan.execution.v1.GetExecutionRequest\x1a*.capstan.execution.v1.GetExecutionResponse\x12n\n" +
+	"\x0fCancelExecution\x12,.capstan.execution.v1.CancelExecutionRequest\x1a-.capstan.execution.v1.CancelExecutionResponseB\xec\x01\n" +
 	"\x18com.capstan.execution.v1B\x15ExecutionServiceProtoP\x01ZGgithub.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1;executionv1\xa2\x02\x03CEX\xaa\x02\x14Capstan.Execution.V1\xca\x02\x14Capstan\\Execution\\V1\xe2\x02 Capstan\\Execution\\V1\\GPBMetadata\xea\x02\x16Capstan::Execution::V1b\x06proto3"
 
 var (
@@ -346,29 +452,34 @@ func file_capstan_execution_v1_execution_service_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_execution_v1_execution_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_capstan_execution_v1_execution_service_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_capstan_execution_v1_execution_service_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_capstan_execution_v1_execution_service_proto_goTypes = []any{
 	(InvokeAcceptance)(0),            // 0: capstan.execution.v1.InvokeAcceptance
 	(*InvokeCapabilityRequest)(nil),  // 1: capstan.execution.v1.InvokeCapabilityRequest
 	(*InvokeCapabilityResponse)(nil), // 2: capstan.execution.v1.InvokeCapabilityResponse
 	(*GetExecutionRequest)(nil),      // 3: capstan.execution.v1.GetExecutionRequest
 	(*GetExecutionResponse)(nil),     // 4: capstan.execution.v1.GetExecutionResponse
-	(ExecutionStatus)(0),             // 5: capstan.execution.v1.ExecutionStatus
-	(*Execution)(nil),                // 6: capstan.execution.v1.Execution
+	(*CancelExecutionRequest)(nil),   // 5: capstan.execution.v1.CancelExecutionRequest
+	(*CancelExecutionResponse)(nil),  // 6: capstan.execution.v1.CancelExecutionResponse
+	(ExecutionStatus)(0),             // 7: capstan.execution.v1.ExecutionStatus
+	(*Execution)(nil),                // 8: capstan.execution.v1.Execution
 }
 var file_capstan_execution_v1_execution_service_proto_depIdxs = []int32{
 	0, // 0: capstan.execution.v1.InvokeCapabilityResponse.acceptance:type_name -> capstan.execution.v1.InvokeAcceptance
-	5, // 1: capstan.execution.v1.InvokeCapabilityResponse.status:type_name -> capstan.execution.v1.ExecutionStatus
-	6, // 2: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
-	1, // 3: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
-	3, // 4: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
-	2, // 5: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
-	4, // 6: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
-	5, // [5:7] is the sub-list for method output_type
-	3, // [3:5] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	7, // 1: capstan.execution.v1.InvokeCapabilityResponse.status:type_name -> capstan.execution.v1.ExecutionStatus
+	8, // 2: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	8, // 3: capstan.execution.v1.CancelExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	1, // 4: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
+	3, // 5: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
+	5, // 6: capstan.execution.v1.ExecutionService.CancelExecution:input_type -> capstan.execution.v1.CancelExecutionRequest
+	2, // 7: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
+	4, // 8: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
+	6, // 9: capstan.execution.v1.ExecutionService.CancelExecution:output_type -> capstan.execution.v1.CancelExecutionResponse
+	7, // [7:10] is the sub-list for method output_type
+	4, // [4:7] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_capstan_execution_v1_execution_service_proto_init() }
@@ -383,7 +494,7 @@ func file_capstan_execution_v1_execution_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_execution_v1_execution_service_proto_rawDesc), len(file_capstan_execution_v1_execution_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   4,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	ExecutionService_InvokeCapability_FullMethodName = "/capstan.execution.v1.ExecutionService/InvokeCapability"
 	ExecutionService_GetExecution_FullMethodName     = "/capstan.execution.v1.ExecutionService/GetExecution"
+	ExecutionService_CancelExecution_FullMethodName  = "/capstan.execution.v1.ExecutionService/CancelExecution"
 )
 
 // ExecutionServiceClient is the client API for ExecutionService service.
@@ -47,6 +48,17 @@ type ExecutionServiceClient interface {
 	// such execution for this application, including executions of other
 	// applications); UNAUTHENTICATED; UNAVAILABLE.
 	GetExecution(ctx context.Context, in *GetExecutionRequest, opts ...grpc.CallOption) (*GetExecutionResponse, error)
+	// CancelExecution settles a non-terminal execution of the calling
+	// application as CANCELLED (reason "cancelled.by_caller") and writes its
+	// completion event in the same transaction. A running attempt's later
+	// answer changes nothing. Cancelling an execution that is already
+	// CANCELLED returns it unchanged.
+	//
+	// Codes: OK; INVALID_ARGUMENT (execution_id is not a UUID, or reason is
+	// over 1024 bytes); NOT_FOUND (no such execution for this application);
+	// FAILED_PRECONDITION (the execution already settled with another status;
+	// the message names it); UNAUTHENTICATED; UNAVAILABLE.
+	CancelExecution(ctx context.Context, in *CancelExecutionRequest, opts ...grpc.CallOption) (*CancelExecutionResponse, error)
 }
 
 type executionServiceClient struct {
@@ -77,6 +89,16 @@ func (c *executionServiceClient) GetExecution(ctx context.Context, in *GetExecut
 	return out, nil
 }
 
+func (c *executionServiceClient) CancelExecution(ctx context.Context, in *CancelExecutionRequest, opts ...grpc.CallOption) (*CancelExecutionResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CancelExecutionResponse)
+	err := c.cc.Invoke(ctx, ExecutionService_CancelExecution_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ExecutionServiceServer is the server API for ExecutionService service.
 // All implementations must embed UnimplementedExecutionServiceServer
 // for forward compatibility.
@@ -101,6 +123,17 @@ type ExecutionServiceServer interface {
 	// such execution for this application, including executions of other
 	// applications); UNAUTHENTICATED; UNAVAILABLE.
 	GetExecution(context.Context, *GetExecutionRequest) (*GetExecutionResponse, error)
+	// CancelExecution settles a non-terminal execution of the calling
+	// application as CANCELLED (reason "cancelled.by_caller") and writes its
+	// completion event in the same transaction. A running attempt's later
+	// answer changes nothing. Cancelling an execution that is already
+	// CANCELLED returns it unchanged.
+	//
+	// Codes: OK; INVALID_ARGUMENT (execution_id is not a UUID, or reason is
+	// over 1024 bytes); NOT_FOUND (no such execution for this application);
+	// FAILED_PRECONDITION (the execution already settled with another status;
+	// the message names it); UNAUTHENTICATED; UNAVAILABLE.
+	CancelExecution(context.Context, *CancelExecutionRequest) (*CancelExecutionResponse, error)
 	mustEmbedUnimplementedExecutionServiceServer()
 }
 
@@ -116,6 +149,9 @@ func (UnimplementedExecutionServiceServer) InvokeCapability(context.Context, *In
 }
 func (UnimplementedExecutionServiceServer) GetExecution(context.Context, *GetExecutionRequest) (*GetExecutionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetExecution not implemented")
+}
+func (UnimplementedExecutionServiceServer) CancelExecution(context.Context, *CancelExecutionRequest) (*CancelExecutionResponse, error) {
+	return nil, status.Errorf(codes.Unimplemented, "method CancelExecution not implemented")
 }
 func (UnimplementedExecutionServiceServer) mustEmbedUnimplementedExecutionServiceServer() {}
 func (UnimplementedExecutionServiceServer) testEmbeddedByValue()                          {}
@@ -174,6 +210,24 @@ func _ExecutionService_GetExecution_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ExecutionService_CancelExecution_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CancelExecutionRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ExecutionServiceServer).CancelExecution(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ExecutionService_CancelExecution_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ExecutionServiceServer).CancelExecution(ctx, req.(*CancelExecutionRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ExecutionService_ServiceDesc is the grpc.ServiceDesc for ExecutionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -188,6 +242,10 @@ var ExecutionService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetExecution",
 			Handler:    _ExecutionService_GetExecution_Handler,
+		},
+		{
+			MethodName: "CancelExecution",
+			Handler:    _ExecutionService_CancelExecution_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
