@@ -29,6 +29,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/capstan-dev/capstan/internal/adapterclient"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
@@ -41,7 +42,7 @@ type Consumer struct {
 	store    *pgstore.Store
 	client   *kgo.Client
 	cfg      *config.Config
-	adapters *adapterPool
+	adapters *adapterclient.Pool
 	offsets  *offsetTracker
 	owner    string
 	logger   *slog.Logger
@@ -67,7 +68,7 @@ func (c *Consumer) Stats() Stats {
 // New returns a consumer. client must be a consumer-group client built with
 // the options from ClientOpts; owner names this worker in leases.
 func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *offsetTracker, owner string, logger *slog.Logger) *Consumer {
-	return &Consumer{store: store, client: client, cfg: cfg, adapters: newAdapterPool(), offsets: offsets,
+	return &Consumer{store: store, client: client, cfg: cfg, adapters: adapterclient.NewPool(), offsets: offsets,
 		owner: owner, logger: logger}
 }
 
@@ -106,7 +107,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 		if err := c.client.CommitMarkedOffsets(cctx); err != nil {
 			c.logger.Warn("final offset commit failed", "error", err)
 		}
-		c.adapters.close()
+		c.adapters.Close()
 	}()
 	for {
 		// Wait for at least one free slot, then poll at most as many
@@ -228,7 +229,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 		defer close(hbDone)
 		c.heartbeat(callCtx, log, e, policy.LeaseDuration, func() { leaseLost.Store(true); cancelCall() })
 	}()
-	resp, callErr := c.adapters.execute(callCtx, capb.Adapter, &adapterv1.ExecuteRequest{
+	resp, callErr := c.adapters.Execute(callCtx, capb.Adapter, &adapterv1.ExecuteRequest{
 		ExecutionId: e.ID.String(), Attempt: int32(e.Attempt), Capability: e.Capability, Release: e.Release,
 		Input: e.Input, ContentType: e.ContentType, ApplicationId: e.ApplicationID.String(),
 		Deadline: timestamppb.New(time.Now().Add(policy.AttemptTimeout)),
@@ -246,7 +247,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 		log.Info("shutdown during the adapter call; attempt left to lease expiry")
 		return
 	}
-	out := Classify(resp, callErr)
+	out := adapterclient.Classify(resp, callErr)
 	switch {
 	case out.Succeeded:
 		c.settle(ctx, log, e, fence, execution.StatusSucceeded, out)

@@ -39,6 +39,10 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 		return err
 	}
 	for _, l := range expired {
+		if l.Mode == execution.ModeSync {
+			c.reapSync(ctx, l)
+			continue
+		}
 		policy := execution.DefaultPolicy()
 		if cp, ok := c.cfg.Lookup(l.Capability); ok {
 			policy = cp.Policy()
@@ -86,4 +90,23 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 		}
 	}
 	return nil
+}
+
+// reapSync settles FAILED a SYNC attempt whose gateway died mid-call: SYNC
+// releases are never retried, and the caller has long had its answer (an
+// error).
+func (c *Consumer) reapSync(ctx context.Context, l pgstore.LeaseExpired) {
+	f := execution.Failure{Class: execution.ClassLeaseExpired, Message: "the gateway running this SYNC execution stopped before settling it"}
+	_, err := c.store.ExecutionSettle(ctx, pgstore.SettleParams{
+		ExecutionID: l.ExecutionID, Fence: pgstore.Fence{Attempt: l.Attempt, LeaseToken: l.LeaseToken},
+		Status: execution.StatusFailed, Failure: &f, AttemptOutcome: "LEASE_EXPIRED", AttemptFailure: &f,
+	})
+	switch {
+	case errors.Is(err, execution.ErrConflict):
+	case err != nil:
+		c.logger.Warn("reap of a SYNC execution failed", "execution_id", l.ExecutionID, "error", err)
+	default:
+		c.stats.reaped.Add(1)
+		c.logger.Info("expired SYNC execution settled FAILED", "execution_id", l.ExecutionID)
+	}
 }

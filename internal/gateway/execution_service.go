@@ -11,10 +11,13 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"os"
+	"time"
 
 	"github.com/google/uuid"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/capstan-dev/capstan/internal/adapterclient"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
@@ -27,7 +30,9 @@ const DefaultContentType = "application/json"
 // ExecutionService implements executionv1.ExecutionServiceServer.
 type ExecutionService struct {
 	executionv1.UnimplementedExecutionServiceServer
-	store  *pgstore.Store
+	store    *pgstore.Store
+	adapters *adapterclient.Pool
+	owner    string // lease owner of SYNC attempts
 	cfg    *config.Config
 	nudge  func()
 	logger *slog.Logger
@@ -42,8 +47,13 @@ func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(),
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	return &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger}
+	host, _ := os.Hostname()
+	return &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger, adapters: adapterclient.NewPool(),
+		owner: fmt.Sprintf("gateway-%s-%d", host, os.Getpid())}
 }
+
+// Close releases the adapter connections of SYNC releases.
+func (s *ExecutionService) Close() { s.adapters.Close() }
 
 // requestHash identifies "the same request" for an idempotency key:
 // SHA-256 over capability, content type and input, NUL-separated.
@@ -81,13 +91,13 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 		return nil, fmt.Errorf("%w: %q", execution.ErrUnknownCapability, req.GetCapability())
 	}
 	policy := capb.Policy()
-	if policy.Mode == execution.ModeSync {
-		return nil, &execution.InvalidArgumentError{Field: "capability",
-			Reason: fmt.Sprintf("%q is a SYNC release; synchronous execution is not available in this version", capb.Name)}
-	}
 	contentType := req.GetContentType()
 	if contentType == "" {
 		contentType = DefaultContentType
+	}
+	status, leaseFor := execution.StatusQueued, time.Duration(0)
+	if policy.Mode == execution.ModeSync {
+		status, leaseFor = execution.StatusRunning, policy.AttemptTimeout+policy.LeaseDuration
 	}
 	e, created, err := s.store.ExecutionInsert(ctx, pgstore.ExecutionInsertParams{
 		ApplicationID:  app.ID,
@@ -100,7 +110,9 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 		IdempotencyKey: req.GetIdempotencyKey(),
 		RequestHash:    requestHash(capb.Name, contentType, req.GetInput()),
 		AsyncBudget:    policy.AsyncBudget,
-		Status:         execution.StatusQueued,
+		Status:         status,
+		LeaseOwner:     s.owner,
+		LeaseFor:       leaseFor,
 	})
 	if err != nil {
 		if !errors.Is(err, execution.ErrIdempotencyConflict) {
@@ -111,12 +123,17 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 	acceptance := executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_DUPLICATE
 	if created {
 		acceptance = executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_ACCEPTED
-		s.nudge()
+		if policy.Mode == execution.ModeSync {
+			e = s.executeSync(ctx, e, capb.Adapter, policy)
+		} else {
+			s.nudge()
+		}
 	}
 	return &executionv1.InvokeCapabilityResponse{
 		ExecutionId: e.ID.String(),
 		Acceptance:  acceptance,
 		Status:      pgstore.StatusToProto(e.Status),
+		Execution:   ToProto(e),
 	}, nil
 }
 

@@ -25,6 +25,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/pgcluster"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
+	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
 
@@ -49,7 +50,9 @@ func testConfig() *config.Config {
 }
 
 // serve starts the gateway's gRPC server on loopback over the store at url.
-func serve(t *testing.T, url string) bundle {
+func serve(t *testing.T, url string) bundle { return serveWith(t, url, testConfig()) }
+
+func serveWith(t *testing.T, url string, cfg *config.Config) bundle {
 	t.Helper()
 	ctx := context.Background()
 	st, err := pgstore.Open(ctx, url, nil)
@@ -61,9 +64,10 @@ func serve(t *testing.T, url string) bundle {
 	require.NoError(t, err)
 	var mu sync.Mutex
 	nudges := 0
-	svc := gateway.NewExecutionService(st, testConfig(), func() { mu.Lock(); nudges++; mu.Unlock() }, slog.New(slog.DiscardHandler))
+	svc := gateway.NewExecutionService(st, cfg, func() { mu.Lock(); nudges++; mu.Unlock() }, slog.New(slog.DiscardHandler))
 	srv := gateway.NewServerForTest(svc, st, 1024)
 	executionv1.RegisterExecutionServiceServer(srv, svc)
+	t.Cleanup(svc.Close)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	require.NoError(t, err)
 	go func() { _ = srv.Serve(lis) }()
@@ -239,4 +243,73 @@ func TestCancelExecution(t *testing.T) {
 	require.Equal(t, 3, events, "one event per settled execution")
 	require.Equal(t, 0, records, "settlement removes pending dispatch records")
 	require.Equal(t, 1, abandoned)
+}
+
+type syncAdapter struct {
+	adapterv1.UnimplementedAdapterServiceServer
+}
+
+func (syncAdapter) Execute(ctx context.Context, req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+	switch string(req.GetInput()) {
+	case "fail":
+		return nil, status.Error(codes.Unavailable, "provider down")
+	case "slow":
+		select { // longer than the release's attempt timeout
+		case <-ctx.Done():
+		case <-time.After(2 * time.Second):
+		}
+	}
+	return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Result{Result: &adapterv1.Result{
+		Output: append([]byte("quote:"), req.GetInput()...)}}}, nil
+}
+
+func TestSyncRelease(t *testing.T) {
+	t.Parallel()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	require.NoError(t, err)
+	gs := grpc.NewServer()
+	adapterv1.RegisterAdapterServiceServer(gs, syncAdapter{})
+	go func() { _ = gs.Serve(lis) }()
+	defer gs.Stop()
+	cfg := testConfig()
+	cfg.Capabilities = append(cfg.Capabilities, config.Capability{Name: "payments.quote", Release: "v1", Mode: "SYNC",
+		Adapter: lis.Addr().String(), AttemptTimeout: 300 * time.Millisecond})
+	b := serveWith(t, pgtest.NewDatabase(t, migrate), cfg)
+
+	tests := []struct {
+		name, input string
+		status      executionv1.ExecutionStatus
+		class       string
+	}{
+		{"success", "eur", executionv1.ExecutionStatus_EXECUTION_STATUS_SUCCEEDED, ""},
+		{"adapter error is not retried", "fail", executionv1.ExecutionStatus_EXECUTION_STATUS_FAILED, "adapter.unavailable"},
+		{"attempt timeout", "slow", executionv1.ExecutionStatus_EXECUTION_STATUS_FAILED, "adapter.deadline_exceeded"},
+	}
+	for _, tc := range tests {
+		resp, err := b.client.InvokeCapability(as("key-a"), &executionv1.InvokeCapabilityRequest{
+			Capability: "payments.quote", Input: []byte(tc.input), IdempotencyKey: tc.name})
+		require.NoError(t, err, tc.name)
+		require.Equal(t, tc.status, resp.Status, tc.name)
+		require.Equal(t, tc.status, resp.Execution.Status, tc.name)
+		require.Equal(t, int32(1), resp.Execution.Attempts)
+		if tc.class == "" {
+			require.Equal(t, "quote:"+tc.input, string(resp.Execution.Output))
+		} else {
+			require.Equal(t, tc.class, resp.Execution.Failure.Class, tc.name)
+		}
+		again, err := b.client.InvokeCapability(as("key-a"), &executionv1.InvokeCapabilityRequest{
+			Capability: "payments.quote", Input: []byte(tc.input), IdempotencyKey: tc.name})
+		require.NoError(t, err)
+		require.Equal(t, executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_DUPLICATE, again.Acceptance)
+		require.Equal(t, resp.ExecutionId, again.ExecutionId)
+		require.Equal(t, tc.status, again.Status, "the duplicate sees the settled execution, no second call")
+	}
+	conn, err := pgx.Connect(context.Background(), b.url)
+	require.NoError(t, err)
+	defer conn.Close(context.Background())
+	var events, records int
+	require.NoError(t, conn.QueryRow(context.Background(), `SELECT count(*) FROM completion_events`).Scan(&events))
+	require.NoError(t, conn.QueryRow(context.Background(), `SELECT count(*) FROM dispatch_records`).Scan(&records))
+	require.Equal(t, 3, events, "a SYNC execution still writes its completion event")
+	require.Zero(t, records, "a SYNC execution is never dispatched")
 }

@@ -36,7 +36,9 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		grpc.ChainUnaryInterceptor(rpcerr.UnaryServerInterceptor(), authInterceptor(store)),
 		grpc.MaxRecvMsgSize(2*cfg.Gateway.MaxInputBytes+1<<20),
 	)
-	executionv1.RegisterExecutionServiceServer(srv, NewExecutionService(store, cfg, n.Nudge, logger))
+	svc := NewExecutionService(store, cfg, n.Nudge, logger)
+	defer svc.Close()
+	executionv1.RegisterExecutionServiceServer(srv, svc)
 
 	lis, err := daemon.Listen(cfg.Gateway.Listen)
 	if err != nil {

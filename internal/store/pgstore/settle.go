@@ -259,23 +259,27 @@ type LeaseExpired struct {
 	Release     string
 	Attempt     int
 	LeaseToken  uuid.UUID
+	Mode        execution.Mode
 }
 
 // LeaseExpiredList returns up to limit attempts of RUNNING or
 // WAITING_EXTERNAL executions whose lease expired (database clock), oldest
-// first. It only reads: the reaper fails each through AttemptRetry, whose
-// fence re-checks status, attempt and token.
+// first. It only reads: the reaper fails each ASYNC attempt through
+// AttemptRetry and settles each SYNC one (whose gateway died mid-call)
+// FAILED, both fenced by status, attempt and token.
 func (s *Store) LeaseExpiredList(ctx context.Context, limit int) ([]LeaseExpired, error) {
 	rows, err := s.pool.Query(ctx, `
-SELECT id, capability, release, attempt, lease_token FROM executions
- WHERE status IN ('RUNNING', 'WAITING_EXTERNAL') AND lease_expires_at < now() AND mode = 'ASYNC'
+SELECT id, capability, release, attempt, lease_token, mode FROM executions
+ WHERE status IN ('RUNNING', 'WAITING_EXTERNAL') AND lease_expires_at < now()
  ORDER BY lease_expires_at LIMIT $1`, limit)
 	if err != nil {
 		return nil, translate(fmt.Errorf("list expired leases: %w", err))
 	}
 	out, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (LeaseExpired, error) {
 		var l LeaseExpired
-		err := r.Scan(&l.ExecutionID, &l.Capability, &l.Release, &l.Attempt, &l.LeaseToken)
+		var mode string
+		err := r.Scan(&l.ExecutionID, &l.Capability, &l.Release, &l.Attempt, &l.LeaseToken, &mode)
+		l.Mode = execution.Mode(mode)
 		return l, err
 	})
 	return out, translate(err)

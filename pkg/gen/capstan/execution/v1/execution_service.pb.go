@@ -155,7 +155,10 @@ type InvokeCapabilityResponse struct {
 	ExecutionId string           `protobuf:"bytes,1,opt,name=execution_id,json=executionId,proto3" json:"execution_id,omitempty"`
 	Acceptance  InvokeAcceptance `protobuf:"varint,2,opt,name=acceptance,proto3,enum=capstan.execution.v1.InvokeAcceptance" json:"acceptance,omitempty"`
 	// Status of the execution at the time of the answer.
-	Status        ExecutionStatus `protobuf:"varint,3,opt,name=status,proto3,enum=capstan.execution.v1.ExecutionStatus" json:"status,omitempty"`
+	Status ExecutionStatus `protobuf:"varint,3,opt,name=status,proto3,enum=capstan.execution.v1.ExecutionStatus" json:"status,omitempty"`
+	// The execution at the time of the answer. For a SYNC release it is
+	// settled and carries the output or the failure.
+	Execution     *Execution `protobuf:"bytes,4,opt,name=execution,proto3" json:"execution,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -209,6 +212,13 @@ func (x *InvokeCapabilityResponse) GetStatus() ExecutionStatus {
 		return x.Status
 	}
 	return ExecutionStatus_EXECUTION_STATUS_UNSPECIFIED
+}
+
+func (x *InvokeCapabilityResponse) GetExecution() *Execution {
+	if x != nil {
+		return x.Execution
+	}
+	return nil
 }
 
 // GetExecutionRequest names one execution.
@@ -413,13 +423,14 @@ const file_capstan_execution_v1_execution_service_proto_rawDesc = "" +
 	"capability\x12\x14\n" +
 	"\x05input\x18\x02 \x01(\fR\x05input\x12!\n" +
 	"\fcontent_type\x18\x03 \x01(\tR\vcontentType\x12'\n" +
-	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\"\xc4\x01\n" +
+	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\"\x83\x02\n" +
 	"\x18InvokeCapabilityResponse\x12!\n" +
 	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\x12F\n" +
 	"\n" +
 	"acceptance\x18\x02 \x01(\x0e2&.capstan.execution.v1.InvokeAcceptanceR\n" +
 	"acceptance\x12=\n" +
-	"\x06status\x18\x03 \x01(\x0e2%.capstan.execution.v1.ExecutionStatusR\x06status\"8\n" +
+	"\x06status\x18\x03 \x01(\x0e2%.capstan.execution.v1.ExecutionStatusR\x06status\x12=\n" +
+	"\texecution\x18\x04 \x01(\v2\x1f.capstan.execution.v1.ExecutionR\texecution\"8\n" +
 	"\x13GetExecutionRequest\x12!\n" +
 	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\"U\n" +
 	"\x14GetExecutionResponse\x12=\n" +
@@ -467,19 +478,20 @@ var file_capstan_execution_v1_execution_service_proto_goTypes = []any{
 var file_capstan_execution_v1_execution_service_proto_depIdxs = []int32{
 	0, // 0: capstan.execution.v1.InvokeCapabilityResponse.acceptance:type_name -> capstan.execution.v1.InvokeAcceptance
 	7, // 1: capstan.execution.v1.InvokeCapabilityResponse.status:type_name -> capstan.execution.v1.ExecutionStatus
-	8, // 2: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
-	8, // 3: capstan.execution.v1.CancelExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
-	1, // 4: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
-	3, // 5: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
-	5, // 6: capstan.execution.v1.ExecutionService.CancelExecution:input_type -> capstan.execution.v1.CancelExecutionRequest
-	2, // 7: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
-	4, // 8: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
-	6, // 9: capstan.execution.v1.ExecutionService.CancelExecution:output_type -> capstan.execution.v1.CancelExecutionResponse
-	7, // [7:10] is the sub-list for method output_type
-	4, // [4:7] is the sub-list for method input_type
-	4, // [4:4] is the sub-list for extension type_name
-	4, // [4:4] is the sub-list for extension extendee
-	0, // [0:4] is the sub-list for field type_name
+	8, // 2: capstan.execution.v1.InvokeCapabilityResponse.execution:type_name -> capstan.execution.v1.Execution
+	8, // 3: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	8, // 4: capstan.execution.v1.CancelExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	1, // 5: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
+	3, // 6: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
+	5, // 7: capstan.execution.v1.ExecutionService.CancelExecution:input_type -> capstan.execution.v1.CancelExecutionRequest
+	2, // 8: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
+	4, // 9: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
+	6, // 10: capstan.execution.v1.ExecutionService.CancelExecution:output_type -> capstan.execution.v1.CancelExecutionResponse
+	8, // [8:11] is the sub-list for method output_type
+	5, // [5:8] is the sub-list for method input_type
+	5, // [5:5] is the sub-list for extension type_name
+	5, // [5:5] is the sub-list for extension extendee
+	0, // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_capstan_execution_v1_execution_service_proto_init() }

@@ -35,6 +35,11 @@ type ExecutionServiceClient interface {
 	// InvokeCapability commits an execution and its first dispatch record in one
 	// transaction and answers only after the commit. No adapter is called.
 	//
+	// For a SYNC release (SYSTEM §7) the gateway instead records the execution,
+	// calls the adapter within the caller's deadline (and the release's attempt
+	// timeout), settles it and answers with the settled execution; adapter
+	// failures are reported in execution.failure with status OK.
+	//
 	// Codes: OK (accepted, or the existing execution for a repeated idempotency
 	// key and identical request); INVALID_ARGUMENT (a field is missing, too long,
 	// not UTF-8 or the input is over the size limit; the message names the
@@ -109,6 +114,11 @@ func (c *executionServiceClient) CancelExecution(ctx context.Context, in *Cancel
 type ExecutionServiceServer interface {
 	// InvokeCapability commits an execution and its first dispatch record in one
 	// transaction and answers only after the commit. No adapter is called.
+	//
+	// For a SYNC release (SYSTEM §7) the gateway instead records the execution,
+	// calls the adapter within the caller's deadline (and the release's attempt
+	// timeout), settles it and answers with the settled execution; adapter
+	// failures are reported in execution.failure with status OK.
 	//
 	// Codes: OK (accepted, or the existing execution for a repeated idempotency
 	// key and identical request); INVALID_ARGUMENT (a field is missing, too long,
