@@ -33,9 +33,9 @@ type ExecutionService struct {
 	store    *pgstore.Store
 	adapters *adapterclient.Pool
 	owner    string // lease owner of SYNC attempts
-	cfg    *config.Config
-	nudge  func()
-	logger *slog.Logger
+	cfg      *config.Config
+	nudge    func()
+	logger   *slog.Logger
 }
 
 // NewExecutionService returns the service; nudge (may be nil) is called
