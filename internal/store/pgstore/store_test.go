@@ -421,3 +421,65 @@ func TestSessionTimeZoneDoesNotChangeDueTimes(t *testing.T) {
 	require.NoError(t, err)
 	require.Len(t, recs, 1, "due now in UTC is due now in any zone")
 }
+
+// TestSuccessRacesBudgetTimeout: the worker settles SUCCEEDED by its lease
+// while the budget sweeper settles TIMED_OUT by the version it read.
+// Whichever commits first stands; the other changes nothing.
+func TestSuccessRacesBudgetTimeout(t *testing.T) {
+	t.Parallel()
+	for i := range 10 {
+		t.Run(fmt.Sprint(i), func(t *testing.T) {
+			t.Parallel()
+			b := setup(t)
+			ctx := context.Background()
+			e := startAttempt(t, b)
+			var wg sync.WaitGroup
+			var success, timeout error
+			wg.Add(2)
+			go func() {
+				defer wg.Done()
+				_, success = b.store.ExecutionSettle(ctx, pgstore.SettleParams{ExecutionID: e.ID,
+					Fence: pgstore.Fence{Attempt: 1, LeaseToken: e.LeaseToken}, Status: execution.StatusSucceeded, AttemptOutcome: "SUCCEEDED"})
+			}()
+			go func() {
+				defer wg.Done()
+				_, timeout = b.store.ExecutionSettle(ctx, pgstore.SettleParams{ExecutionID: e.ID,
+					Fence: pgstore.Fence{Version: e.Version, Attempt: 1}, Status: execution.StatusTimedOut, AttemptOutcome: "ABANDONED",
+					Failure: &execution.Failure{Class: execution.ReasonAsyncBudget, Reason: execution.ReasonAsyncBudget}})
+			}()
+			wg.Wait()
+			require.True(t, (success == nil) != (timeout == nil), "exactly one wins: success=%v timeout=%v", success, timeout)
+			got, err := b.store.ExecutionGet(ctx, uuid.Nil, e.ID)
+			require.NoError(t, err)
+			if success == nil {
+				require.Equal(t, execution.StatusSucceeded, got.Status)
+				require.ErrorIs(t, timeout, execution.ErrConflict)
+			} else {
+				require.Equal(t, execution.StatusTimedOut, got.Status)
+				require.ErrorIs(t, success, execution.ErrConflict)
+			}
+			require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM completion_events`))
+			require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM attempts WHERE outcome <> 'RUNNING'`))
+		})
+	}
+}
+
+func TestBudgetExpiredList(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	p := insertParams(b.app.ID, "", `{}`)
+	p.AsyncBudget = time.Millisecond
+	e, _, err := b.store.ExecutionInsert(ctx, p)
+	require.NoError(t, err)
+	_, _, err = b.store.ExecutionInsert(ctx, insertParams(b.app.ID, "", `{"later":1}`))
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		l, err := b.store.BudgetExpiredList(ctx, 10)
+		require.NoError(t, err)
+		return len(l) == 1 && l[0].ExecutionID == e.ID
+	}, 5*time.Second, 10*time.Millisecond)
+	// An execution past its budget cannot start an attempt.
+	_, err = b.store.AttemptStart(ctx, pgstore.AttemptStartParams{ExecutionID: e.ID, Attempt: 1, Owner: "w", LeaseFor: time.Minute})
+	require.ErrorIs(t, err, execution.ErrConflict)
+}
