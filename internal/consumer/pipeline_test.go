@@ -69,7 +69,7 @@ type pipeline struct {
 
 // startPipeline runs a dispatcher and a consumer in this process against a
 // fresh database, an embedded Kafka and a fake adapter.
-func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error)) *pipeline {
+func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), opts ...func(*config.Config)) *pipeline {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	url := pgtest.NewDatabase(t, func(ctx context.Context, url string) error {
@@ -99,6 +99,9 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 		Capabilities: []config.Capability{{Name: "payments.send", Release: "v1", Adapter: lis.Addr().String(),
 			RetryDelays: []time.Duration{10 * time.Millisecond}, LeaseDuration: 2 * time.Second, AttemptTimeout: 2 * time.Second}},
 	}
+	for _, o := range opts {
+		o(cfg)
+	}
 	logger := slog.New(slog.DiscardHandler)
 	prod, err := kafka.NewClient(cfg.Kafka.Brokers, logger, kgo.DefaultProduceTopic(topic))
 	require.NoError(t, err)
@@ -127,12 +130,13 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 
 func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
 	t.Helper()
+	policy := p.cfg.Capabilities[0].Policy()
 	ids := make([]uuid.UUID, n)
 	for i := range n {
 		e, _, err := p.store.ExecutionInsert(context.Background(), pgstore.ExecutionInsertParams{
 			ApplicationID: p.app.ID, Capability: "payments.send", Release: "v1", Mode: execution.ModeAsync,
 			MaxAttempts: 10, Input: []byte(fmt.Sprintf(`{"i":%d}`, i)), ContentType: "application/json",
-			RequestHash: []byte{byte(i)}, AsyncBudget: time.Hour, Status: execution.StatusQueued,
+			RequestHash: []byte{byte(i)}, AsyncBudget: policy.AsyncBudget, Status: execution.StatusQueued,
 		})
 		require.NoError(t, err)
 		ids[i] = e.ID
@@ -264,4 +268,45 @@ func TestPipelineDuplicateAndGarbageRecords(t *testing.T) {
 		require.Equal(t, 1, p.adapter.callsOf(id))
 	}
 	require.Equal(t, 10, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+// TestPipelineBudget: a release whose budget is shorter than its retry
+// delays settles TIMED_OUT / timeout.async_budget after the first failure,
+// keeping the last failure class, through the real consumer.
+func TestPipelineBudget(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Failure{Failure: &adapterv1.Failure{
+			Class: "provider.unavailable", Retryable: true}}}, nil
+	}, func(c *config.Config) {
+		c.Capabilities[0].AsyncBudget = 2 * time.Second
+		c.Capabilities[0].RetryDelays = []time.Duration{time.Hour}
+	})
+	ids := p.invoke(t, 3)
+	for _, e := range p.waitSettled(t, ids) {
+		require.Equal(t, execution.StatusTimedOut, e.Status)
+		require.Equal(t, execution.ReasonAsyncBudget, e.Failure.Reason)
+		require.Equal(t, "provider.unavailable", e.Failure.Class)
+		require.Equal(t, 1, e.Attempt)
+	}
+	require.Equal(t, 3, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+// TestPipelineAttemptLimit: ten retryable failures settle FAILED with the
+// last class and retry_exhausted.attempt_limit, ten attempt rows, one event.
+func TestPipelineAttemptLimit(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Failure{Failure: &adapterv1.Failure{
+			Class: fmt.Sprintf("provider.unavailable.%d", req.GetAttempt()), Retryable: true}}}, nil
+	}, func(c *config.Config) { c.Capabilities[0].RetryDelays = []time.Duration{time.Millisecond} })
+	ids := p.invoke(t, 2)
+	for id, e := range p.waitSettled(t, ids) {
+		require.Equal(t, execution.StatusFailed, e.Status)
+		require.Equal(t, execution.ReasonAttemptLimit, e.Failure.Reason)
+		require.Equal(t, "provider.unavailable.10", e.Failure.Class)
+		require.Equal(t, 10, p.count(t, `SELECT count(*) FROM attempts WHERE execution_id = $1`, id))
+		require.Equal(t, 10, p.adapter.callsOf(id))
+	}
+	require.Equal(t, 2, p.count(t, `SELECT count(*) FROM completion_events`))
 }
