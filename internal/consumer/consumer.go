@@ -95,13 +95,35 @@ func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger)
 // NewOffsetTracker returns the tracker shared by ClientOpts and New.
 func NewOffsetTracker() *offsetTracker { return newOffsetTracker() }
 
-// Run consumes until ctx ends, then waits for the attempts in flight (they
-// are bounded by their attempt timeout) and commits their offsets.
+// DrainTimeout bounds how long Run lets attempts in flight finish after its
+// context ends; attempts still running then are abandoned to their lease.
+const DrainTimeout = 10 * time.Second
+
+// Run consumes until ctx ends, then stops polling, lets the attempts in
+// flight finish (at most DrainTimeout; the rest are cancelled and left to
+// their lease) and commits the offsets of every durable outcome.
 func (c *Consumer) Run(ctx context.Context) error {
 	sem := make(chan struct{}, c.cfg.Consumer.MaxInFlight)
 	var wg sync.WaitGroup
+	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
+	defer cancelWork()
+	go func() {
+		select {
+		case <-ctx.Done():
+		case <-work.Done():
+			return
+		}
+		t := time.NewTimer(DrainTimeout)
+		defer t.Stop()
+		select {
+		case <-t.C:
+			cancelWork()
+		case <-work.Done():
+		}
+	}()
 	defer func() {
 		wg.Wait()
+		cancelWork()
 		cctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
 		defer cancel()
 		if err := c.client.CommitMarkedOffsets(cctx); err != nil {
@@ -140,7 +162,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 			go func(r *kgo.Record) {
 				defer wg.Done()
 				defer func() { <-sem }()
-				if c.handle(ctx, r) {
+				if c.handle(work, r) {
 					off := c.offsets.done(r)
 					c.client.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
 						r.Topic: {r.Partition: {Epoch: -1, Offset: off}},
