@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"log/slog"
 	"net"
@@ -15,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"github.com/twmb/franz-go/pkg/kmsg"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
@@ -65,6 +67,7 @@ type pipeline struct {
 	adapter *fakeAdapter
 	brokers []string
 	app     pgstore.Application
+	kafka   *kafkatest.Cluster
 }
 
 // startPipeline runs a dispatcher and a consumer in this process against a
@@ -125,7 +128,7 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 		kc.Close()
 		st.Close()
 	})
-	return &pipeline{store: st, url: url, cfg: cfg, adapter: fa, brokers: kc.Brokers(), app: app}
+	return &pipeline{store: st, url: url, cfg: cfg, adapter: fa, brokers: kc.Brokers(), app: app, kafka: kc}
 }
 
 func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
@@ -309,4 +312,45 @@ func TestPipelineAttemptLimit(t *testing.T) {
 		require.Equal(t, 10, p.adapter.callsOf(id))
 	}
 	require.Equal(t, 2, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+// TestPipelineRidesOutKafkaOutage: while the broker fails every produce and
+// fetch request, work is accepted and waits; when the broker is back, the
+// dispatcher and the consumer carry on by themselves and everything settles
+// once.
+func TestPipelineRidesOutKafkaOutage(t *testing.T) {
+	t.Parallel()
+	p := startPipeline(t, ok)
+	first := p.invoke(t, 5)
+	p.waitSettled(t, first)
+
+	var down atomic.Bool
+	down.Store(true)
+	var refused atomic.Int64
+	fake := p.kafka.Fake()
+	for _, key := range []int16{int16(kmsg.Produce), int16(kmsg.Fetch)} {
+		fake.ControlKey(key, func(kmsg.Request) (kmsg.Response, error, bool) {
+			if !down.Load() {
+				fake.DropControl()
+				return nil, nil, false
+			}
+			fake.KeepControl()
+			refused.Add(1)
+			return nil, errors.New("broker down"), true
+		})
+	}
+	ids := p.invoke(t, 20)
+	require.Eventually(t, func() bool { return refused.Load() >= 2 }, 10*time.Second, 10*time.Millisecond,
+		"the outage is felt")
+	for _, id := range ids {
+		e, err := p.store.ExecutionGet(context.Background(), uuid.Nil, id)
+		require.NoError(t, err)
+		require.False(t, e.Status.Terminal(), "nothing settles while Kafka is down")
+	}
+	down.Store(false)
+	settled := p.waitSettled(t, ids)
+	for _, id := range ids {
+		require.Equal(t, execution.StatusSucceeded, settled[id].Status)
+		require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events WHERE execution_id = $1`, id))
+	}
 }
