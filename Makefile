@@ -19,7 +19,7 @@ EXAMPLES := csv-payments-provider csv-payments-app
 
 .PHONY: help
 help: ## List the targets.
-	@grep -hE '^[a-zA-Z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-14s %s\n", $$1, $$2}'
+	@grep -hE '^[a-zA-Z_/-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
 
 .PHONY: build
 build: ## Build the daemons, capstanctl and the example binaries into bin/.
@@ -33,7 +33,7 @@ demo: build ## Run the csv-payments demo on the embedded stack (INPUT=file.csv, 
 	$(BIN)/capstanctl dev --bin-dir $(BIN) --demo-input $(INPUT) --demo-mode $(MODE)
 
 .PHONY: test
-test: ## Run every test (unit, PostgreSQL + kfake integration, end to end) with the race detector.
+test: check-generated ## Check generated code, then run every test (unit, PostgreSQL + kfake integration, end to end) with the race detector.
 	$(GO) test $(GOTEST_FLAGS) ./...
 
 .PHONY: test/short
@@ -53,17 +53,21 @@ tools: ## Install the pinned code generators into .tools/.
 
 .PHONY: generate
 generate: ## Regenerate the Go code from proto/ with buf and the pinned local plugins.
-	@test -x $(TOOLS)/buf || $(MAKE) tools
+	@test -x $(TOOLS)/buf -a -x $(TOOLS)/protoc-gen-go -a -x $(TOOLS)/protoc-gen-go-grpc || $(MAKE) tools
 	PATH=$(TOOLS):$$PATH $(TOOLS)/buf lint
 	PATH=$(TOOLS):$$PATH $(TOOLS)/buf generate
 
+.PHONY: check-generated
+check-generated: generate ## Fail when regenerating pkg/gen from proto/ changes anything.
+	@git diff --exit-code --stat -- pkg/gen || { echo "pkg/gen is stale: run make generate and commit"; exit 1; }
+	@test -z "$$(git status --porcelain -- pkg/gen)" || { echo "untracked generated files: commit them"; git status --porcelain -- pkg/gen; exit 1; }
+
 .PHONY: verify
-verify: generate ## Fail when regeneration, gofmt or `go mod tidy` would change anything.
+verify: check-generated ## Fail when regeneration, gofmt, go vet or `go mod tidy` would change anything.
 	$(GO) mod tidy
 	@test -z "$$(gofmt -l $$(git ls-files '*.go'))" || { echo "gofmt would change:"; gofmt -l $$(git ls-files '*.go'); exit 1; }
 	$(GO) vet ./...
-	@git diff --exit-code -- pkg/gen go.mod go.sum || { echo "generated code or go.mod is stale: run make generate && go mod tidy and commit"; exit 1; }
-	@test -z "$$(git status --porcelain -- pkg/gen)" || { echo "untracked generated files: commit them"; git status --porcelain -- pkg/gen; exit 1; }
+	@git diff --exit-code -- go.mod go.sum || { echo "go.mod is not tidy: run go mod tidy and commit"; exit 1; }
 
 .PHONY: clean
 clean: ## Remove build output and demo run folders.
