@@ -1,5 +1,6 @@
 // Command router is Capstan's event router daemon: it delivers completion
-// events to each application's registered webhook (see internal/router).
+// events to each application's registered consumer: a webhook, a Kafka topic
+// or a gRPC EventConsumerService (see internal/router).
 //
 // Usage: router [--config path]; the path defaults to $CAPSTAN_CONFIG, and
 // every key can also be set through CAPSTAN_* environment variables.

@@ -17,6 +17,7 @@ import (
 //
 //	answer / code                                     class                        retryable
 //	result                                            —                            (success)
+//	accepted                                          —                            (parks on an await unit)
 //	failure                                           as the adapter reported      as reported
 //	neither result nor failure                        adapter.protocol             yes
 //	DEADLINE_EXCEEDED, context deadline               adapter.deadline_exceeded    yes
@@ -49,6 +50,12 @@ func Classify(resp *adapterv1.ExecuteResponse, err error) execution.Outcome {
 		return execution.Outcome{Succeeded: true, Output: o.Result.GetOutput(), OutputType: ct}
 	case *adapterv1.ExecuteResponse_Failure:
 		return failed(o.Failure.GetClass(), o.Failure.GetMessage(), o.Failure.GetRetryable())
+	case *adapterv1.ExecuteResponse_Accepted:
+		ref := o.Accepted.GetExternalReference()
+		if len(ref) > 256 {
+			ref = ref[:256]
+		}
+		return execution.Outcome{Accepted: true, ExternalReference: ref}
 	}
 	return failed(execution.ClassAdapterProtocol, "adapter answered with neither a result nor a failure", true)
 }

@@ -10,6 +10,7 @@
 package config
 
 import (
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"net/url"
@@ -35,6 +36,11 @@ type Config struct {
 	Capabilities []Capability `mapstructure:"capabilities"`
 	// MaxAsyncBudget caps any release's async_budget. Default 24h.
 	MaxAsyncBudget time.Duration `mapstructure:"max_async_budget"`
+	// CallbackSecret signs callback and resume tokens (base64 of at least 32
+	// bytes). The consumer issues tokens and the gateway verifies them, so
+	// both need the same value. Empty: adapters get no callback token and
+	// "accepted" answers can only be completed through InteractionService.
+	CallbackSecret string `mapstructure:"callback_secret"`
 }
 
 // Database configures PostgreSQL.
@@ -68,6 +74,18 @@ type Gateway struct {
 	MaxInputBytes int `mapstructure:"max_input_bytes"`
 	// NudgeTimeout bounds one nudge. Default 200ms.
 	NudgeTimeout time.Duration `mapstructure:"nudge_timeout"`
+	// HTTPListen serves the webhook transport's completion endpoint
+	// (POST /v1/interactions/complete). Default ":7239"; "" disables it.
+	HTTPListen string `mapstructure:"http_listen"`
+	// PublicURL is the base URL at which partners reach HTTPListen, e.g.
+	// https://capstan.example.com; sent as completion_url in webhook
+	// requests. Required when a release uses the webhook transport.
+	PublicURL string `mapstructure:"public_url"`
+	// AdminToken authenticates the operator API (capstan.admin.v1.AdminService,
+	// used by capstanctl consumers/events) as "authorization: Bearer <token>",
+	// compared in constant time. Default "": the admin API is not served. When
+	// set, at least 16 bytes.
+	AdminToken string `mapstructure:"admin_token"`
 }
 
 // Dispatcher configures cmd/dispatcher.
@@ -127,6 +145,17 @@ type Router struct {
 	// AllowPrivateAddresses permits webhook URLs on loopback and private
 	// networks. Default true; set false in production.
 	AllowPrivateAddresses bool `mapstructure:"allow_private_addresses"`
+	// PerApplicationConcurrency bounds the deliveries in flight for one
+	// application (counted across router replicas through their claims), so
+	// one application's slow or dead consumer never takes every worker.
+	// Default 8; 1..Concurrency.
+	PerApplicationConcurrency int `mapstructure:"per_application_concurrency"`
+	// SecretKey is the AES-256-GCM key (base64 of 32 bytes) that encrypts the
+	// consumers' signing secrets at rest. Read by the router (to sign) and the
+	// gateway's admin API (to store). Default "": secrets are stored in
+	// plaintext (development only; the router and the gateway log a warning)
+	// and secrets already encrypted cannot be used.
+	SecretKey string `mapstructure:"secret_key"`
 }
 
 // Log configures logging.
@@ -159,6 +188,50 @@ type Capability struct {
 	LeaseDuration time.Duration `mapstructure:"lease_duration"`
 	// AsyncBudget is the time from acceptance to TIMED_OUT. Default 24h, at most max_async_budget.
 	AsyncBudget time.Duration `mapstructure:"async_budget"`
+	// AwaitTimeout is the deadline of the interaction opened when the
+	// adapter answers "accepted". Default 1h.
+	AwaitTimeout time.Duration `mapstructure:"await_timeout"`
+	// Await, when set, makes the release's step an await on the outside
+	// world instead of an adapter call: the attempt sends the input out over
+	// the transport and parks on an await unit (SYSTEM §6).
+	Await *AwaitStep `mapstructure:"await"`
+	// AdapterKeySHA256 is the hex SHA-256 of the key the adapter presents
+	// ("authorization: Bearer <key>") on AdapterCallbackService and
+	// InteractionService. Empty: no adapter may call back for it.
+	AdapterKeySHA256 string `mapstructure:"adapter_key_sha256"`
+}
+
+// AwaitStep configures a release whose step is an await.
+type AwaitStep struct {
+	// Transport is "webhook" or "kafka" (requests are pushed) or
+	// "interaction-api" (requests are listed for InteractionService).
+	Transport string `mapstructure:"transport"`
+	// URL receives the webhook transport's signed POSTs of InteractionRequest.
+	URL string `mapstructure:"url"`
+	// Secret ("whsec_" + base64) signs the webhook transport's requests and
+	// verifies its completions; share it with the partner.
+	Secret string `mapstructure:"secret"`
+	// RequestTopic and ResponseTopic are the kafka transport's topics.
+	RequestTopic  string `mapstructure:"request_topic"`
+	ResponseTopic string `mapstructure:"response_topic"`
+	// Timeout is the interaction's deadline from the park. Default 1h.
+	Timeout time.Duration `mapstructure:"timeout"`
+}
+
+// DefaultAwaitTimeout is the default of capabilities[].await_timeout.
+const DefaultAwaitTimeout = time.Hour
+
+// AwaitDeadline returns the capability's await timeout with its default:
+// await.timeout for an await step, await_timeout for an adapter that
+// answers "accepted".
+func (c Capability) AwaitDeadline() time.Duration {
+	if c.Await != nil && c.Await.Timeout > 0 {
+		return c.Await.Timeout
+	}
+	if c.AwaitTimeout > 0 {
+		return c.AwaitTimeout
+	}
+	return DefaultAwaitTimeout
 }
 
 // Policy returns the release policy of c with defaults applied.
@@ -209,6 +282,7 @@ func setDefaults(v *viper.Viper) {
 	v.SetDefault("gateway.admin_listen", ":7234")
 	v.SetDefault("gateway.max_input_bytes", 256*1024)
 	v.SetDefault("gateway.nudge_timeout", 200*time.Millisecond)
+	v.SetDefault("gateway.http_listen", ":7239")
 	v.SetDefault("dispatcher.listen", ":7235")
 	v.SetDefault("dispatcher.admin_listen", ":7236")
 	v.SetDefault("dispatcher.pass_interval", time.Second)
@@ -228,6 +302,7 @@ func setDefaults(v *viper.Viper) {
 	v.SetDefault("router.retry_delays", []string{"1m", "5m", "30m", "2h", "6h"})
 	v.SetDefault("router.jitter", 0.1)
 	v.SetDefault("router.allow_private_addresses", true)
+	v.SetDefault("router.per_application_concurrency", 8)
 	v.SetDefault("log.level", "info")
 	v.SetDefault("log.format", "json")
 }
@@ -242,7 +317,8 @@ func Load(path string) (*Config, error) {
 	v.SetEnvKeyReplacer(strings.NewReplacer(".", "_"))
 	v.AutomaticEnv()
 	// AutomaticEnv only sees keys viper knows; bind the required ones.
-	for _, k := range []string{"database.url", "kafka.brokers", "database.migrate_on_start", "consumer.worker_id", "gateway.dispatcher_addr"} {
+	for _, k := range []string{"callback_secret", "database.url", "kafka.brokers", "database.migrate_on_start", "consumer.worker_id", "gateway.dispatcher_addr",
+		"gateway.admin_token", "router.secret_key"} {
 		_ = v.BindEnv(k)
 	}
 	if path != "" {
@@ -335,6 +411,18 @@ func (c *Config) Validate() error {
 	if c.Router.Concurrency <= 0 || c.Router.BatchSize <= 0 || c.Router.PollInterval <= 0 {
 		return bad("router", "concurrency, batch_size and poll_interval must be > 0")
 	}
+	if c.Router.PerApplicationConcurrency <= 0 || c.Router.PerApplicationConcurrency > c.Router.Concurrency {
+		return bad("router.per_application_concurrency", "%d: want 1..router.concurrency (%d)",
+			c.Router.PerApplicationConcurrency, c.Router.Concurrency)
+	}
+	if c.Router.SecretKey != "" {
+		if k, err := base64.StdEncoding.DecodeString(c.Router.SecretKey); err != nil || len(k) != 32 {
+			return bad("router.secret_key", "want base64 of exactly 32 bytes")
+		}
+	}
+	if c.Gateway.AdminToken != "" && len(c.Gateway.AdminToken) < 16 {
+		return bad("gateway.admin_token", "want at least 16 bytes (or empty to disable the admin API)")
+	}
 	switch c.Log.Level {
 	case "debug", "info", "warn", "error":
 	default:
@@ -342,6 +430,11 @@ func (c *Config) Validate() error {
 	}
 	if c.Log.Format != "json" && c.Log.Format != "text" {
 		return bad("log.format", "%q: want json or text", c.Log.Format)
+	}
+	if c.CallbackSecret != "" {
+		if b, err := base64.StdEncoding.DecodeString(c.CallbackSecret); err != nil || len(b) < 32 {
+			return bad("callback_secret", "want base64 of at least 32 bytes")
+		}
 	}
 	seen := map[string]bool{}
 	for i, cp := range c.Capabilities {
@@ -355,6 +448,39 @@ func (c *Config) Validate() error {
 		seen[cp.Name] = true
 		if cp.Adapter == "" {
 			return bad(key+".adapter", "required (host:port of the adapter's gRPC server)")
+		}
+		if h := cp.AdapterKeySHA256; h != "" && (len(h) != 64 || strings.Trim(strings.ToLower(h), "0123456789abcdef") != "") {
+			return bad(key+".adapter_key_sha256", "want 64 hex digits (sha256 of the adapter's key)")
+		}
+		if cp.AwaitTimeout < 0 {
+			return bad(key+".await_timeout", "want > 0")
+		}
+		if a := cp.Await; a != nil {
+			switch a.Transport {
+			case "webhook":
+				if u, err := url.Parse(a.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+					return bad(key+".await.url", "want an http(s) URL for the webhook transport")
+				}
+				if !strings.HasPrefix(a.Secret, "whsec_") {
+					return bad(key+".await.secret", "want whsec_<base64> for the webhook transport")
+				}
+				if c.Gateway.PublicURL == "" {
+					return bad("gateway.public_url", "required by the webhook transport of %q (where partners POST completions)", cp.Name)
+				}
+			case "kafka":
+				if a.RequestTopic == "" || a.ResponseTopic == "" {
+					return bad(key+".await", "request_topic and response_topic are required for the kafka transport")
+				}
+			case "interaction-api":
+			default:
+				return bad(key+".await.transport", "%q: want webhook, kafka or interaction-api", a.Transport)
+			}
+			if a.Transport != "interaction-api" && c.CallbackSecret == "" {
+				return bad("callback_secret", "required by the %s transport of %q (it signs resume tokens)", a.Transport, cp.Name)
+			}
+			if a.Timeout < 0 {
+				return bad(key+".await.timeout", "want > 0")
+			}
 		}
 		if c.Capabilities[i].Release == "" {
 			c.Capabilities[i].Release = "v1"

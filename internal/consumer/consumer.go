@@ -17,6 +17,7 @@ package consumer
 import (
 	"cmp"
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -33,6 +34,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/token"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
 )
@@ -47,40 +49,52 @@ type Consumer struct {
 	owner    string
 	logger   *slog.Logger
 	stats    counters
+	// signer issues callback tokens; nil when no callback_secret is set.
+	signer *token.Signer
 }
 
 type counters struct {
-	started, skipped, undecodable, succeeded, failed, retried, lost, reaped, budgetTimeouts atomic.Int64
+	started, skipped, undecodable, succeeded, failed, retried, lost, reaped, budgetTimeouts, parked atomic.Int64
 }
 
 // Stats are the consumer's counters since start.
 type Stats struct {
-	Started, Skipped, Undecodable, Succeeded, Failed, Retried, Lost, Reaped, BudgetTimeouts int64
+	Started, Skipped, Undecodable, Succeeded, Failed, Retried, Lost, Reaped, BudgetTimeouts, Parked int64
 }
 
 // Stats returns the counters.
 func (c *Consumer) Stats() Stats {
 	s := &c.stats
 	return Stats{s.started.Load(), s.skipped.Load(), s.undecodable.Load(), s.succeeded.Load(), s.failed.Load(),
-		s.retried.Load(), s.lost.Load(), s.reaped.Load(), s.budgetTimeouts.Load()}
+		s.retried.Load(), s.lost.Load(), s.reaped.Load(), s.budgetTimeouts.Load(), s.parked.Load()}
 }
 
 // New returns a consumer. client must be a consumer-group client built with
 // the options from ClientOpts; owner names this worker in leases.
+// A configuration whose callback_secret does not decode gets no signer
+// (config.Validate refuses it first).
 func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *offsetTracker, owner string, logger *slog.Logger) *Consumer {
-	return &Consumer{store: store, client: client, cfg: cfg, adapters: adapterclient.NewPool(), offsets: offsets,
+	c := &Consumer{store: store, client: client, cfg: cfg, adapters: adapterclient.NewPool(), offsets: offsets,
 		owner: owner, logger: logger}
+	if key, err := base64.StdEncoding.DecodeString(cfg.CallbackSecret); err == nil && cfg.CallbackSecret != "" {
+		c.signer, _ = token.NewSigner(key)
+	}
+	return c
 }
 
 // ClientOpts returns the kgo options of the consumer-group client: manual
 // marks committed by the autocommitter, and a synchronous commit of the
 // marks when partitions are revoked.
 func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger) []kgo.Opt {
+	session := cmp.Or(cfg.Consumer.SessionTimeout, 45*time.Second)
 	return []kgo.Opt{
 		kgo.ConsumerGroup(cfg.Consumer.Group),
 		kgo.ConsumeTopics(cfg.Kafka.ExecutionTopic),
 		kgo.AutoCommitMarks(),
-		kgo.SessionTimeout(cmp.Or(cfg.Consumer.SessionTimeout, 45*time.Second)),
+		kgo.SessionTimeout(session),
+		// The heartbeat must come well inside the session timeout (kgo's
+		// default of 3 s would exceed a short one).
+		kgo.HeartbeatInterval(min(session/3, 3*time.Second)),
 		kgo.AutoCommitInterval(time.Second),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
@@ -223,10 +237,15 @@ func (c *Consumer) leaseFor(capability string) time.Duration {
 		return cp.Policy().LeaseDuration
 	}
 	// The capability is not known yet at attempt start (the record names
-	// only the execution); use the longest configured lease.
-	d := execution.DefaultLeaseDuration
+	// only the execution); use the longest configured lease, and the
+	// default only when nothing is configured. The first heartbeat then
+	// renews with the capability's own lease.
+	var d time.Duration
 	for _, cp := range c.cfg.Capabilities {
 		d = max(d, cp.Policy().LeaseDuration)
+	}
+	if d == 0 {
+		d = execution.DefaultLeaseDuration
 	}
 	return d
 }
@@ -242,6 +261,12 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 		return
 	}
 	policy := capb.Policy()
+	if capb.Await != nil {
+		// The release's step is an await: send the input out over the
+		// transport and park, without calling the adapter.
+		c.park(ctx, log, e, capb, policy, "")
+		return
+	}
 
 	callCtx, cancelCall := context.WithTimeout(ctx, policy.AttemptTimeout)
 	defer cancelCall()
@@ -251,10 +276,15 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 		defer close(hbDone)
 		c.heartbeat(callCtx, log, e, policy.LeaseDuration, func() { leaseLost.Store(true); cancelCall() })
 	}()
+	var callbackToken string
+	if c.signer != nil {
+		callbackToken = c.signer.Issue(token.Claims{Kind: token.KindCallback, ApplicationID: e.ApplicationID,
+			ExecutionID: e.ID, Subject: e.LeaseToken, Attempt: e.Attempt, ExpiresAt: e.BudgetDeadline})
+	}
 	resp, callErr := c.adapters.Execute(callCtx, capb.Adapter, &adapterv1.ExecuteRequest{
 		ExecutionId: e.ID.String(), Attempt: int32(e.Attempt), Capability: e.Capability, Release: e.Release,
 		Input: e.Input, ContentType: e.ContentType, ApplicationId: e.ApplicationID.String(),
-		Deadline: timestamppb.New(time.Now().Add(policy.AttemptTimeout)),
+		Deadline: timestamppb.New(time.Now().Add(policy.AttemptTimeout)), CallbackToken: callbackToken,
 	})
 	cancelCall()
 	<-hbDone
@@ -271,6 +301,8 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	}
 	out := adapterclient.Classify(resp, callErr)
 	switch {
+	case out.Accepted:
+		c.park(ctx, log, e, capb, policy, out.ExternalReference)
 	case out.Succeeded:
 		c.settle(ctx, log, e, fence, execution.StatusSucceeded, out)
 	case !out.Failure.Retryable:
@@ -348,6 +380,44 @@ func (c *Consumer) retry(ctx context.Context, log *slog.Logger, e execution.Exec
 	default:
 		c.stats.budgetTimeouts.Add(1)
 		log.Info("async budget exhausted", "class", f.Class)
+	}
+}
+
+// park opens the attempt's ONE_TO_ONE await unit and parks the execution in
+// WAITING_EXTERNAL (SYSTEM §6). After an adapter's "accepted" the unit is on
+// the interaction-api transport and the lease becomes the callback lease,
+// renewed by the adapter's RenewLease; for an await step the unit is on the
+// release's transport and the interaction sender pushes it out. A
+// completion that arrived before the park is released here, once.
+func (c *Consumer) park(ctx context.Context, log *slog.Logger, e execution.Execution, capb config.Capability, policy execution.Policy, ref string) {
+	step, transport, leaseFor := pgstore.StepAdapter, pgstore.TransportInteractionAPI, policy.LeaseDuration
+	if capb.Await != nil {
+		// Nobody renews the lease of an await step: it lasts as long as the
+		// interaction's deadline, whose sweep fails the execution.
+		step, transport, leaseFor = "await", capb.Await.Transport, capb.AwaitDeadline()+policy.LeaseDuration
+	}
+	var res pgstore.ParkResult
+	err := retryStore(ctx, log, func() error {
+		var err error
+		res, err = c.store.AwaitPark(ctx, pgstore.ParkParams{
+			AwaitOpen: pgstore.AwaitOpen{ExecutionID: e.ID, ApplicationID: e.ApplicationID, Attempt: e.Attempt,
+				Step: step, Capability: e.Capability, Transport: transport,
+				Timeout: capb.AwaitDeadline(), Request: e.Input, ContentType: e.ContentType, ExternalReference: ref},
+			LeaseToken: e.LeaseToken, LeaseFor: leaseFor, Policy: policy,
+		})
+		return err
+	})
+	switch {
+	case errors.Is(err, execution.ErrLeaseLost), errors.Is(err, execution.ErrConflict):
+		c.stats.lost.Add(1)
+		log.Info("park lost: the attempt was superseded or settled meanwhile")
+	case err != nil:
+		log.Warn("park not written before shutdown; the lease will expire", "error", err)
+	case res.Released:
+		log.Info("completion recorded before the park released", "status", res.Execution.Status)
+	default:
+		c.stats.parked.Add(1)
+		log.Debug("parked on await unit", "await_unit_id", res.UnitID)
 	}
 }
 

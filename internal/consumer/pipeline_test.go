@@ -2,6 +2,7 @@ package consumer_test
 
 import (
 	"context"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/capstan-dev/capstan/internal/admission"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/consumer"
 	"github.com/capstan-dev/capstan/internal/dispatcher"
@@ -28,6 +30,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/kafkatest"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
+	"github.com/capstan-dev/capstan/internal/token"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
 )
@@ -106,22 +109,50 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 		o(cfg)
 	}
 	logger := slog.New(slog.DiscardHandler)
+	if os.Getenv("PIPELINE_LOG") != "" {
+		logger = slog.New(slog.NewTextHandler(os.Stderr, nil))
+	}
 	prod, err := kafka.NewClient(cfg.Kafka.Brokers, logger, kgo.DefaultProduceTopic(topic))
 	require.NoError(t, err)
+	for _, cp := range cfg.Capabilities {
+		if cp.Await != nil && cp.Await.Transport == "kafka" {
+			require.NoError(t, kafka.EnsureTopic(ctx, prod, cp.Await.RequestTopic, 2))
+			require.NoError(t, kafka.EnsureTopic(ctx, prod, cp.Await.ResponseTopic, 2))
+		}
+	}
 	d := dispatcher.New(st, prod, cfg.Dispatcher, topic, "d1", logger)
 	offsets := consumer.NewOffsetTracker()
 	cons, err := kafka.NewClient(cfg.Kafka.Brokers, logger, consumer.ClientOpts(cfg, offsets, logger)...)
 	require.NoError(t, err)
 	c := consumer.New(st, cons, cfg, offsets, "w1", logger)
 
+	runs := []func(context.Context) error{d.Run, c.Run, func(ctx context.Context) error { return c.Reap(ctx, cfg.Consumer.ReapInterval) }}
+	var closers []func()
+	if cfg.CallbackSecret != "" {
+		key, _ := base64.StdEncoding.DecodeString(cfg.CallbackSecret)
+		signer, _ := token.NewSigner(key)
+		runs = append(runs, consumer.NewInteractionSender(st, cfg, signer, prod, logger).Run)
+		if topics := consumer.ResponseTopics(cfg); len(topics) > 0 {
+			admitter, err := admission.New(st, cfg)
+			require.NoError(t, err)
+			coffsets := consumer.NewOffsetTracker()
+			cc, err := kafka.NewClient(cfg.Kafka.Brokers, logger, consumer.CompletionClientOpts(cfg, coffsets, logger)...)
+			require.NoError(t, err)
+			closers = append(closers, cc.Close)
+			runs = append(runs, consumer.NewCompletionConsumer(cc, admitter, coffsets, logger).Run)
+		}
+	}
 	var wg sync.WaitGroup
-	for _, run := range []func(context.Context) error{d.Run, c.Run, func(ctx context.Context) error { return c.Reap(ctx, cfg.Consumer.ReapInterval) }} {
+	for _, run := range runs {
 		wg.Add(1)
 		go func() { defer wg.Done(); _ = run(ctx) }()
 	}
 	t.Cleanup(func() {
 		cancel()
 		wg.Wait()
+		for _, c := range closers {
+			c()
+		}
 		cons.Close()
 		prod.Close()
 		gs.Stop()
@@ -353,4 +384,106 @@ func TestPipelineRidesOutKafkaOutage(t *testing.T) {
 		require.Equal(t, execution.StatusSucceeded, settled[id].Status)
 		require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events WHERE execution_id = $1`, id))
 	}
+}
+
+var testSecret = []byte("pipeline-callback-secret-32-bytes!!")
+
+func withCallbacks(c *config.Config) {
+	c.CallbackSecret = base64.StdEncoding.EncodeToString(testSecret)
+}
+
+func accepted() *adapterv1.ExecuteResponse {
+	return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Accepted{Accepted: &adapterv1.Accepted{ExternalReference: "ext-1"}}}
+}
+
+// completeByToken completes an attempt as the gateway's CompleteExecution
+// does, from the callback token the adapter received.
+func completeByToken(st *pgstore.Store, tok string, out execution.Outcome) (pgstore.CompleteResult, error) {
+	signer, _ := token.NewSigner(testSecret)
+	c, err := signer.Verify(tok, token.KindCallback, time.Now())
+	if err != nil {
+		return pgstore.CompleteResult{}, err
+	}
+	e, err := st.ExecutionGet(context.Background(), c.ApplicationID, c.ExecutionID)
+	if err != nil {
+		return pgstore.CompleteResult{}, err
+	}
+	return st.CompleteInteraction(context.Background(), pgstore.CompleteParams{
+		Open: &pgstore.AwaitOpen{ExecutionID: e.ID, ApplicationID: e.ApplicationID, Attempt: c.Attempt, Step: pgstore.StepAdapter,
+			Capability: e.Capability, Transport: pgstore.TransportInteractionAPI, Timeout: time.Hour, Request: e.Input},
+		Fence: &pgstore.Fence{Attempt: c.Attempt, LeaseToken: c.Subject}, ApplicationID: c.ApplicationID,
+		Outcome: out, Policy: execution.DefaultPolicy()})
+}
+
+func TestPipelineAcceptedThenCompleted(t *testing.T) {
+	t.Parallel()
+	tokens := make(chan string, 10)
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		tokens <- req.GetCallbackToken()
+		return accepted(), nil
+	}, withCallbacks)
+	ids := p.invoke(t, 1)
+	tok := <-tokens
+	require.NotEmpty(t, tok, "the adapter receives a callback token")
+	require.Eventually(t, func() bool {
+		e, err := p.store.ExecutionGet(context.Background(), uuid.Nil, ids[0])
+		require.NoError(t, err)
+		return e.Status == execution.StatusWaitingExternal
+	}, 10*time.Second, 10*time.Millisecond, "the execution parks on its await unit")
+	res, err := completeByToken(p.store, tok, execution.Outcome{Succeeded: true, Output: []byte(`{"late":1}`)})
+	require.NoError(t, err)
+	require.Equal(t, execution.StatusSucceeded, res.Execution.Status)
+	settled := p.waitSettled(t, ids)
+	require.Equal(t, `{"late":1}`, string(settled[ids[0]].Output))
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events`))
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM interactions WHERE external_reference = 'ext-1' AND status = 'COMPLETED'`))
+}
+
+// TestPipelineCompletionBeforePark: the adapter completes through its
+// callback before its Execute answer ("accepted") reaches the consumer.
+func TestPipelineCompletionBeforePark(t *testing.T) {
+	t.Parallel()
+	var st atomic.Pointer[pgstore.Store]
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		res, err := completeByToken(st.Load(), req.GetCallbackToken(), execution.Outcome{Succeeded: true, Output: []byte(`{"early":1}`)})
+		if err != nil || !res.Held {
+			return nil, fmt.Errorf("completion before park: held=%v err=%v", res.Held, err)
+		}
+		return accepted(), nil
+	}, withCallbacks)
+	st.Store(p.store)
+	ids := p.invoke(t, 5)
+	for _, id := range ids {
+		e := p.waitSettled(t, []uuid.UUID{id})[id]
+		require.Equal(t, execution.StatusSucceeded, e.Status)
+		require.Equal(t, `{"early":1}`, string(e.Output))
+		require.Equal(t, 1, e.Attempt, "released once, no retry")
+	}
+	require.Equal(t, 5, p.count(t, `SELECT count(*) FROM completion_events`))
+	require.Equal(t, 5, p.count(t, `SELECT count(*) FROM interactions`))
+}
+
+// TestPipelineCallbackLeaseExpires: an adapter that accepted and never
+// renews loses the attempt to the reaper; the next attempt runs, the old
+// unit is cancelled and the old token's completion is refused.
+func TestPipelineCallbackLeaseExpires(t *testing.T) {
+	t.Parallel()
+	tokens := make(chan string, 10)
+	p := startPipeline(t, func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		if req.GetAttempt() == 1 {
+			tokens <- req.GetCallbackToken()
+			return accepted(), nil
+		}
+		return ok(req)
+	}, withCallbacks, func(c *config.Config) { c.Capabilities[0].LeaseDuration = 300 * time.Millisecond })
+	ids := p.invoke(t, 1)
+	oldTok := <-tokens
+	settled := p.waitSettled(t, ids)
+	require.Equal(t, execution.StatusSucceeded, settled[ids[0]].Status)
+	require.Equal(t, 2, settled[ids[0]].Attempt)
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM attempts WHERE outcome = 'LEASE_EXPIRED'`))
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM await_units WHERE status = 'CANCELLED'`))
+	_, err := completeByToken(p.store, oldTok, execution.Outcome{Succeeded: true, Output: []byte(`{}`)})
+	require.Error(t, err, "the superseded attempt's completion is refused")
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events`))
 }

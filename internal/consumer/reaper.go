@@ -31,8 +31,9 @@ func (c *Consumer) Reap(ctx context.Context, interval time.Duration) error {
 }
 
 // ReapOnce fails every attempt whose lease expired as lease.expired
-// (scheduling the next attempt or exhausting) and settles TIMED_OUT every
-// execution whose async budget passed.
+// (scheduling the next attempt or exhausting), times out interactions past
+// their deadline (failing the executions parked on them), and settles
+// TIMED_OUT every execution whose async budget passed.
 func (c *Consumer) ReapOnce(ctx context.Context) error {
 	expired, err := c.store.LeaseExpiredList(ctx, reapBatch)
 	if err != nil {
@@ -64,6 +65,11 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 			c.stats.reaped.Add(1)
 			c.logger.Info("expired lease reaped", "execution_id", l.ExecutionID, "attempt", l.Attempt)
 		}
+	}
+	if n, err := c.store.AwaitSweepDeadlines(ctx, reapBatch); err != nil {
+		return err
+	} else if n > 0 {
+		c.logger.Info("interactions timed out", "count", n)
 	}
 	budgets, err := c.store.BudgetExpiredList(ctx, reapBatch)
 	if err != nil {

@@ -2,11 +2,14 @@ package consumer
 
 import (
 	"context"
+
 	"errors"
 	"fmt"
+	"github.com/twmb/franz-go/pkg/kgo"
 	"log/slog"
 	"os"
 
+	"github.com/capstan-dev/capstan/internal/admission"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/daemon"
 	"github.com/capstan-dev/capstan/internal/kafka"
@@ -41,6 +44,42 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		owner = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
 	c := New(store, client, cfg, offsets, owner, logger)
+
+	// The await transports: a sender for pushed interactions, and a
+	// consumer of the kafka transport's response topics.
+	var sender *InteractionSender
+	var completions *CompletionConsumer
+	if c.signer != nil {
+		var producer *kgo.Client
+		if topics := ResponseTopics(cfg); len(topics) > 0 {
+			producer, err = kafka.NewClient(cfg.Kafka.Brokers, logger)
+			if err != nil {
+				return err
+			}
+			defer producer.Close()
+			for _, cp := range cfg.Capabilities {
+				if cp.Await != nil && cp.Await.Transport == "kafka" {
+					for _, t := range []string{cp.Await.RequestTopic, cp.Await.ResponseTopic} {
+						if err := kafka.EnsureTopic(ctx, producer, t, cfg.Kafka.ExecutionPartitions); err != nil {
+							logger.Warn("could not ensure an await topic; continuing", "topic", t, "error", err)
+						}
+					}
+				}
+			}
+			admitter, err := admission.New(store, cfg)
+			if err != nil {
+				return err
+			}
+			coffsets := NewOffsetTracker()
+			cclient, err := kafka.NewClient(cfg.Kafka.Brokers, logger, CompletionClientOpts(cfg, coffsets, logger)...)
+			if err != nil {
+				return err
+			}
+			defer cclient.Close()
+			completions = NewCompletionConsumer(cclient, admitter, coffsets, logger)
+		}
+		sender = NewInteractionSender(store, cfg, c.signer, producer, logger)
+	}
 	health := daemon.NewHealth(func(ctx context.Context) error {
 		return errors.Join(store.Ping(ctx), kafka.Ping(ctx, client))
 	})
@@ -52,10 +91,20 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	g, gctx := daemon.NewGroup(ctx)
 	g.Go(func() error { return c.Run(gctx) })
 	g.Go(func() error { return c.Reap(gctx, cfg.Consumer.ReapInterval) })
+	if sender != nil {
+		g.Go(func() error { return sender.Run(gctx) })
+	}
+	if completions != nil {
+		g.Go(func() error { return completions.Run(gctx) })
+	}
 	if admin != nil {
 		g.Go(func() error { return daemon.ServeHTTP(gctx, health.Handler(), admin, daemon.Grace) })
 	}
 	err = g.Wait()
+	if completions != nil {
+		cs := completions.Stats()
+		logger.Info("completion consumer stopped", "admitted", cs.Admitted, "duplicates", cs.Duplicates, "refused", cs.Refused)
+	}
 	s := c.Stats()
 	logger.Info("consumer stopped", "started", s.Started, "skipped", s.Skipped, "succeeded", s.Succeeded,
 		"failed", s.Failed, "retried", s.Retried, "lost", s.Lost, "reaped", s.Reaped)

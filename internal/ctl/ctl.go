@@ -3,9 +3,13 @@
 //	capstanctl migrate [--status]        apply (or show) the schema migrations
 //	capstanctl app upsert --name N …     create or update an application
 //	capstanctl execution get ID          show one execution (operator view)
-//	capstanctl dev [--demo-input F]      run the embedded stack (make demo)
+//	capstanctl consumers list|get|set|…  manage event consumers (admin API)
+//	capstanctl events list|show|replay   inspect and replay completion events (admin API)
+//	capstanctl dev [--demo-input F] [--demo-mode M]  run the embedded stack (make demo)
 //
-// Database commands read DATABASE_URL or --database-url.
+// Database commands read DATABASE_URL or --database-url; consumers and
+// events call the gateway's admin API (--admin-addr, --admin-token or
+// CAPSTAN_ADMIN_ADDR, CAPSTAN_ADMIN_TOKEN).
 package ctl
 
 import (
@@ -35,10 +39,20 @@ Commands:
   app upsert --name N --api-key K [--webhook-url U --webhook-secret S]
                                         create or update an application (the key is stored hashed)
   execution get ID                      print one execution as JSON (all applications)
-  dev [--demo-input F] [--bin-dir D]    run the embedded stack; with --demo-input, run the
-                                        csv-payments demo on F and stop when it finishes
+  consumers list | get --app ID | set --app ID (--webhook-url U | --kafka-topic T | --grpc-target H:P)
+            [--secret S]... [--secrets-file F] | rotate-secret --app ID [--secret S] [--retire-after D]
+            | remove-secret --app ID --secret-id ID | enable --app ID
+                                        manage event consumers through the admin API
+  events list [--app ID] [--status S] [--since T] | show ID [--payload] | replay ID [--force]
+            | replay --app ID --since T  inspect events; replay one, or every DEAD one since T
+  dev [--demo-input F] [--demo-mode M] [--bin-dir D]
+                                        run the embedded stack; with --demo-input, run the
+                                        csv-payments demo on F and stop when it finishes;
+                                        M is direct (default), webhook or kafka
 
-Database commands use --database-url or DATABASE_URL.
+Database commands use --database-url or DATABASE_URL. consumers and events call the
+gateway's admin API: --admin-addr (CAPSTAN_ADMIN_ADDR, default 127.0.0.1:7233) and
+--admin-token (CAPSTAN_ADMIN_TOKEN, the gateway's gateway.admin_token).
 `
 
 // Main runs capstanctl with args (without the program name).
@@ -54,6 +68,10 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return app(ctx, args[1:], stdout)
 	case "execution":
 		return executionCmd(ctx, args[1:], stdout)
+	case "consumers":
+		return consumers(ctx, args[1:], stdout)
+	case "events":
+		return events(ctx, args[1:], stdout)
 	case "dev":
 		return dev(ctx, args[1:], stdout, stderr)
 	case "help", "-h", "--help":
@@ -171,7 +189,7 @@ func dev(ctx context.Context, args []string, out, errOut io.Writer) error {
 	binDir := fs.String("bin-dir", "bin", "folder with the daemon and example binaries (make build)")
 	runDir := fs.String("run-dir", "run", "parent folder of the run folders (logs, config, output)")
 	input := fs.String("demo-input", "", "CSV of payments (ID,Recipient,Amount,Currency) to run through the demo")
-	mode := fs.String("demo-mode", "direct", "provider mode: direct")
+	mode := fs.String("demo-mode", "direct", "how Capstan reaches the demo provider: direct (AdapterService), webhook or kafka (await step on that transport)")
 	verbose := fs.Bool("v", false, "log the stack's own steps to stderr")
 	if err := fs.Parse(args); err != nil {
 		return ErrUsage

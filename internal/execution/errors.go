@@ -20,6 +20,14 @@ var (
 	ErrUnauthenticated = errors.New("unauthenticated")
 	// ErrUnavailable: a dependency (the database) could not be reached.
 	ErrUnavailable = errors.New("unavailable")
+	// ErrPermissionDenied: the caller is authenticated but does not own
+	// what it names (another application's execution, a capability the
+	// adapter does not serve).
+	ErrPermissionDenied = errors.New("permission denied")
+	// ErrCompletionRefused: a completion that is no longer applicable: the
+	// interaction is already terminal with another outcome, its deadline
+	// passed, or the execution is SYNC.
+	ErrCompletionRefused = errors.New("completion refused")
 )
 
 // InvalidArgumentError says which field of a request is invalid and why.

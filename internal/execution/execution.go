@@ -30,6 +30,13 @@ type Execution struct {
 	CreatedAt      time.Time
 	UpdatedAt      time.Time
 	SettledAt      time.Time // zero until terminal
+	// AwaitUnitID is the await unit the execution is (or was last) parked
+	// on; uuid.Nil when it never parked.
+	AwaitUnitID uuid.UUID
+	// ProgressPercent (0-100) and ProgressMessage are the adapter's last
+	// progress report.
+	ProgressPercent int
+	ProgressMessage string
 }
 
 // Outcome is how an attempt ended, as the consumer reports it to the store.
@@ -38,8 +45,12 @@ type Outcome struct {
 	Succeeded  bool
 	Output     []byte
 	OutputType string
-	// Failure is set when Succeeded is false.
+	// Failure is set when Succeeded and Accepted are false.
 	Failure Failure
+	// Accepted: the adapter took the work and completes it later through
+	// its callback contract; the attempt parks on an await unit.
+	Accepted          bool
+	ExternalReference string
 }
 
 // RetryDecision is what happens after a retryable failure of attempt N.

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/rpcerr"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
 
@@ -27,19 +28,48 @@ func authInterceptor(store *pgstore.Store) grpc.UnaryServerInterceptor {
 		if !strings.HasPrefix(info.FullMethod, "/capstan.execution.") {
 			return h(ctx, req)
 		}
-		md, _ := metadata.FromIncomingContext(ctx)
-		vals := md.Get("authorization")
-		if len(vals) != 1 {
-			return nil, execution.ErrUnauthenticated
-		}
-		key, ok := strings.CutPrefix(vals[0], "Bearer ")
-		if !ok || key == "" || len(key) > 512 {
-			return nil, execution.ErrUnauthenticated
-		}
-		app, err := store.ApplicationByAPIKey(ctx, key)
+		app, err := authenticate(ctx, store)
 		if err != nil {
 			return nil, err
 		}
 		return h(context.WithValue(ctx, applicationKey{}, app), req)
 	}
 }
+
+// authenticate resolves the application of the call's
+// "authorization: Bearer <api key>" metadata.
+func authenticate(ctx context.Context, store *pgstore.Store) (pgstore.Application, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	vals := md.Get("authorization")
+	if len(vals) != 1 {
+		return pgstore.Application{}, execution.ErrUnauthenticated
+	}
+	key, ok := strings.CutPrefix(vals[0], "Bearer ")
+	if !ok || key == "" || len(key) > 512 {
+		return pgstore.Application{}, execution.ErrUnauthenticated
+	}
+	return store.ApplicationByAPIKey(ctx, key)
+}
+
+// authStreamInterceptor is authInterceptor for streaming calls
+// (WatchExecution); errors are translated to gRPC codes here because no
+// unary interceptor sees them.
+func authStreamInterceptor(store *pgstore.Store) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		if !strings.HasPrefix(info.FullMethod, "/capstan.execution.") {
+			return h(srv, ss)
+		}
+		app, err := authenticate(ss.Context(), store)
+		if err != nil {
+			return rpcerr.Status(err)
+		}
+		return h(srv, &authedStream{ServerStream: ss, ctx: context.WithValue(ss.Context(), applicationKey{}, app)})
+	}
+}
+
+type authedStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *authedStream) Context() context.Context { return s.ctx }

@@ -20,6 +20,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/adapterclient"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/rpcerr"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
@@ -154,7 +155,59 @@ func (s *ExecutionService) GetExecution(ctx context.Context, req *executionv1.Ge
 	if err != nil {
 		return nil, err
 	}
-	return &executionv1.GetExecutionResponse{Execution: ToProto(e)}, nil
+	return &executionv1.GetExecutionResponse{Execution: s.withAwait(ctx, e)}, nil
+}
+
+// withAwait maps e to its API form with its await unit's state.
+func (s *ExecutionService) withAwait(ctx context.Context, e execution.Execution) *executionv1.Execution {
+	out := ToProto(e)
+	if e.AwaitUnitID != uuid.Nil {
+		if u, err := s.store.AwaitUnitGet(ctx, e.AwaitUnitID); err == nil {
+			out.Await = &executionv1.AwaitState{AwaitUnitId: u.ID.String(), Transport: u.Transport, Status: u.Status,
+				Deadline: timestamppb.New(u.Deadline)}
+		}
+	}
+	return out
+}
+
+// WatchInterval is how often WatchExecution looks for changes.
+const WatchInterval = 200 * time.Millisecond
+
+// WatchExecution streams the execution at once and on every change of its
+// version, until it is terminal or the caller goes away.
+func (s *ExecutionService) WatchExecution(req *executionv1.WatchExecutionRequest, stream executionv1.ExecutionService_WatchExecutionServer) error {
+	ctx := stream.Context()
+	app, ok := applicationFrom(ctx)
+	if !ok || app.ID == uuid.Nil {
+		return rpcStatus(execution.ErrUnauthenticated)
+	}
+	id, err := uuid.Parse(req.GetExecutionId())
+	if err != nil {
+		return rpcStatus(&execution.InvalidArgumentError{Field: "execution_id", Reason: "not a UUID"})
+	}
+	var last int64 = -1
+	t := time.NewTicker(WatchInterval)
+	defer t.Stop()
+	for {
+		e, err := s.store.ExecutionGet(ctx, app.ID, id)
+		if err != nil {
+			return rpcStatus(err)
+		}
+		if e.Version != last {
+			last = e.Version
+			if err := stream.Send(&executionv1.WatchExecutionResponse{Execution: s.withAwait(ctx, e)}); err != nil {
+				return err
+			}
+		}
+		if e.Status.Terminal() {
+			return nil
+		}
+		select {
+		case <-ctx.Done():
+			return rpcStatus(ctx.Err())
+		case <-t.C:
+		}
+	}
 }
 
 // ToProto maps a stored execution to its API form.
@@ -170,6 +223,8 @@ func ToProto(e execution.Execution) *executionv1.Execution {
 		UpdatedAt:         timestamppb.New(e.UpdatedAt),
 		Output:            e.Output,
 		OutputContentType: e.OutputType,
+		ProgressPercent:   int32(e.ProgressPercent),
+		ProgressMessage:   e.ProgressMessage,
 	}
 	if !e.SettledAt.IsZero() {
 		out.SettledAt = timestamppb.New(e.SettledAt)
@@ -235,3 +290,7 @@ func (s *ExecutionService) CancelExecution(ctx context.Context, req *executionv1
 	}
 	return nil, fmt.Errorf("%w: execution %s kept changing; try again", execution.ErrUnavailable, id)
 }
+
+// rpcStatus translates errors of streaming handlers, which the unary
+// interceptor does not see.
+func rpcStatus(err error) error { return rpcerr.Status(err) }

@@ -13,5 +13,6 @@ func NewServerForTest(svc *ExecutionService, store *pgstore.Store, maxInput int)
 	h := daemon.NewHealth(store.Ping)
 	return daemon.NewGRPCServer(h,
 		grpc.ChainUnaryInterceptor(rpcerr.UnaryServerInterceptor(), authInterceptor(store)),
+		grpc.ChainStreamInterceptor(authStreamInterceptor(store)),
 		grpc.MaxRecvMsgSize(2*maxInput+1<<20))
 }

@@ -10,10 +10,9 @@ import (
 	"net/url"
 	"strconv"
 	"strings"
+	"time"
 	"unicode"
 	"unicode/utf8"
-
-	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
@@ -31,7 +30,7 @@ const (
 	userAgent     = "capstan-router"
 )
 
-// Reasons of failed attempts that are not HTTP answers.
+// Reasons of failed attempts that are not answers of the consumer.
 const (
 	errNoConsumer = "no consumer registered"
 	errNoSecret   = "no webhook secret registered"
@@ -43,7 +42,13 @@ const (
 // attemptResult is the outcome of one delivery attempt.
 type attemptResult struct {
 	Delivered  bool
-	StatusCode int // 0 when there was no HTTP response
+	StatusCode int // HTTP status; 0 when there was no HTTP response
+	// Gone reports an HTTP 410: the event is DEAD at once and the consumer
+	// is disabled.
+	Gone bool
+	// RetryAfter is the receiver's Retry-After (429 and 503 only), 0 when
+	// absent or unparsable; the schedule clamps it (see nextDelay).
+	RetryAfter time.Duration
 	// Reason says why the attempt failed; it never holds response data,
 	// URLs or secrets, so it may be logged.
 	Reason string
@@ -56,32 +61,45 @@ func failed(code int, reason string) attemptResult {
 	return attemptResult{StatusCode: code, Reason: reason, Error: reason}
 }
 
-// deliver makes one delivery attempt of ev: a signed POST of its payload to
-// the application's webhook, bounded by config.Router.Timeout. It never
-// returns an error; every problem is a failed attempt.
+// deliver makes one delivery attempt of ev to its application's consumer as
+// claimed, bounded by config.Router.Timeout. It never returns an error;
+// every problem is a failed attempt.
 func (r *Router) deliver(ctx context.Context, ev pgstore.EventDelivery) attemptResult {
-	if ev.WebhookURL == "" {
+	if ev.SecretErr != nil {
+		return failed(0, ev.SecretErr.Error())
+	}
+	switch ev.ConsumerKind {
+	case pgstore.ConsumerWebhook:
+		return r.deliverWebhook(ctx, ev)
+	case pgstore.ConsumerKafka:
+		return r.deliverKafka(ctx, ev)
+	case pgstore.ConsumerGRPC:
+		return r.deliverGRPC(ctx, ev)
+	case "":
 		return failed(0, errNoConsumer)
 	}
-	u, err := url.Parse(ev.WebhookURL)
+	return failed(0, fmt.Sprintf("unknown consumer kind %q", ev.ConsumerKind))
+}
+
+// deliverWebhook POSTs ev's payload to the webhook URL, signed per Standard
+// Webhooks with every active secret. Only a 2xx answer is a success;
+// redirects are not followed; 410 is Gone; 429 and 503 carry Retry-After.
+func (r *Router) deliverWebhook(ctx context.Context, ev pgstore.EventDelivery) attemptResult {
+	u, err := url.Parse(ev.ConsumerTarget)
 	if err != nil || u.Host == "" {
 		return failed(0, errBadURL)
 	}
 	if s := strings.ToLower(u.Scheme); s != "http" && s != "https" {
 		return failed(0, errBadScheme)
 	}
-	if strings.TrimPrefix(ev.WebhookSecret, "whsec_") == "" {
+	if len(ev.Secrets) == 0 {
 		return failed(0, errNoSecret)
 	}
-	wh, err := standardwebhooks.NewWebhook(ev.WebhookSecret)
+	id := ev.ID.String()
+	ts := r.now().Unix()
+	sig, err := signatures(id, ts, ev.Payload, ev.Secrets)
 	if err != nil {
 		return failed(0, errBadSecret)
-	}
-	id := ev.ID.String()
-	ts := r.now()
-	sig, err := wh.Sign(id, ts, ev.Payload)
-	if err != nil {
-		return failed(0, "sign: "+err.Error())
 	}
 
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
@@ -92,9 +110,9 @@ func (r *Router) deliver(ctx context.Context, ev pgstore.EventDelivery) attemptR
 	}
 	req.Header.Set("Content-Type", "application/json")
 	req.Header.Set("User-Agent", userAgent)
-	req.Header.Set(standardwebhooks.HeaderWebhookID, id)
-	req.Header.Set(standardwebhooks.HeaderWebhookTimestamp, strconv.FormatInt(ts.Unix(), 10))
-	req.Header.Set(standardwebhooks.HeaderWebhookSignature, sig)
+	req.Header.Set(HeaderWebhookID, id)
+	req.Header.Set(HeaderWebhookTimestamp, strconv.FormatInt(ts, 10))
+	req.Header.Set(HeaderWebhookSignature, sig)
 
 	resp, err := r.client.Do(req)
 	if err != nil {
@@ -109,14 +127,41 @@ func (r *Router) deliver(ctx context.Context, ev pgstore.EventDelivery) attemptR
 		return attemptResult{Delivered: true, StatusCode: code}
 	}
 	reason := fmt.Sprintf("HTTP %d", code)
-	if code >= 300 && code <= 399 {
+	switch {
+	case code >= 300 && code <= 399:
 		reason += ": redirect not followed"
+	case code == http.StatusGone:
+		reason += ": consumer gone, disabled"
 	}
 	res := failed(code, reason)
+	res.Gone = code == http.StatusGone
+	if code == http.StatusTooManyRequests || code == http.StatusServiceUnavailable {
+		res.RetryAfter = parseRetryAfter(resp.Header.Get("Retry-After"), r.now())
+	}
 	if ex := truncate(sanitize(excerpt), MaxResponseExcerpt); ex != "" {
 		res.Error = truncate(reason+": "+ex, maxErrorBytes)
 	}
 	return res
+}
+
+// parseRetryAfter reads a Retry-After value: delay-seconds or an HTTP date
+// (relative to now). It returns 0 when v is empty, malformed or in the past.
+func parseRetryAfter(v string, now time.Time) time.Duration {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0
+	}
+	if secs, err := strconv.ParseInt(v, 10, 64); err == nil {
+		if secs <= 0 {
+			return 0
+		}
+		return time.Duration(min(secs, int64(MaxRetryDelay/time.Second))) * time.Second
+	}
+	t, err := http.ParseTime(v)
+	if err != nil {
+		return 0
+	}
+	return min(max(t.Sub(now), 0), MaxRetryDelay)
 }
 
 // transportReason describes a failed request without the URL (which may

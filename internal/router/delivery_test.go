@@ -66,16 +66,19 @@ func TestDeliver(t *testing.T) {
 	t.Cleanup(func() { require.Zero(t, redirectTargetHits.Load(), "redirect followed") })
 
 	tests := []struct {
-		name        string
-		handler     http.HandlerFunc // nil: no server
-		url         func(srvURL string) string
-		secret      string
-		guard       bool // AllowPrivateAddresses false
-		timeout     time.Duration
-		wantOK      bool
-		wantCode    int
-		wantErr     string // substring of the recorded error
-		wantNoErrIn string // must not appear in the recorded error
+		name           string
+		handler        http.HandlerFunc // nil: no server
+		url            func(srvURL string) string
+		secret         string
+		guard          bool // AllowPrivateAddresses false
+		timeout        time.Duration
+		kind           pgstore.ConsumerKind // default webhook; "-" for none
+		wantOK         bool
+		wantGone       bool
+		wantRetryAfter time.Duration
+		wantCode       int
+		wantErr        string // substring of the recorded error
+		wantNoErrIn    string // must not appear in the recorded error
 	}{
 		{name: "200 delivered", handler: func(w http.ResponseWriter, _ *http.Request) {}, wantOK: true, wantCode: 200},
 		{name: "204 delivered", handler: func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(204) }, wantOK: true, wantCode: 204},
@@ -83,20 +86,34 @@ func TestDeliver(t *testing.T) {
 			w.WriteHeader(500)
 			_, _ = io.WriteString(w, longBody)
 		}, wantCode: 500, wantErr: "HTTP 500: éé", wantNoErrIn: "tail-beyond-the-limit"},
-		{name: "410 is a failure", handler: func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(410) },
-			wantCode: 410, wantErr: "HTTP 410"},
+		{name: "410 is gone", handler: func(w http.ResponseWriter, _ *http.Request) { w.WriteHeader(410) },
+			wantCode: 410, wantErr: "HTTP 410: consumer gone, disabled", wantGone: true},
+		{name: "429 with Retry-After seconds", handler: func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Retry-After", "120")
+			w.WriteHeader(429)
+		}, wantCode: 429, wantErr: "HTTP 429", wantRetryAfter: 2 * time.Minute},
+		{name: "503 with Retry-After date", handler: func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Retry-After", clock.Add(90*time.Second).UTC().Format(http.TimeFormat))
+			w.WriteHeader(503)
+		}, wantCode: 503, wantErr: "HTTP 503", wantRetryAfter: 90 * time.Second},
+		{name: "500 ignores Retry-After", handler: func(w http.ResponseWriter, _ *http.Request) {
+			w.Header().Set("Retry-After", "120")
+			w.WriteHeader(500)
+		}, wantCode: 500, wantErr: "HTTP 500"},
 		{name: "302 is not followed", handler: func(w http.ResponseWriter, r *http.Request) {
 			http.Redirect(w, r, target.URL, http.StatusFound)
 		}, wantCode: 302, wantErr: "HTTP 302: redirect not followed"},
 		{name: "hanging receiver times out", handler: func(w http.ResponseWriter, r *http.Request) {
 			<-r.Context().Done()
 		}, timeout: 100 * time.Millisecond, wantErr: "timeout after 100ms"},
-		{name: "empty url: no consumer", url: func(string) string { return "" }, wantErr: "no consumer registered"},
+		{name: "no consumer", kind: "-", wantErr: "no consumer registered"},
 		{name: "ftp scheme refused", url: func(string) string { return "ftp://example.com/hook" }, wantErr: errBadScheme},
 		{name: "file scheme refused", url: func(string) string { return "file:///etc/passwd" }, wantErr: errBadURL},
 		{name: "unparsable url", url: func(string) string { return "http://[::1" }, wantErr: errBadURL},
-		{name: "empty secret refused", handler: func(w http.ResponseWriter, _ *http.Request) {}, secret: "whsec_",
+		{name: "no secret refused", handler: func(w http.ResponseWriter, _ *http.Request) {}, secret: "-",
 			wantErr: errNoSecret},
+		{name: "empty secret refused", handler: func(w http.ResponseWriter, _ *http.Request) {}, secret: "whsec_",
+			wantErr: errBadSecret},
 		{name: "malformed secret refused", handler: func(w http.ResponseWriter, _ *http.Request) {},
 			secret: "whsec_not*base64", wantErr: errBadSecret, wantNoErrIn: "not*base64"},
 		{name: "loopback refused by the guard", handler: func(w http.ResponseWriter, _ *http.Request) {},
@@ -136,13 +153,20 @@ func TestDeliver(t *testing.T) {
 			t.Cleanup(r.client.CloseIdleConnections)
 			ev := pgstore.EventDelivery{
 				ID: uuid.New(), ApplicationID: uuid.New(), Payload: payload,
-				WebhookURL: srvURL, WebhookSecret: secret,
+				ConsumerKind: pgstore.ConsumerWebhook, ConsumerTarget: srvURL, Secrets: []string{secret},
 			}
 			if tt.url != nil {
-				ev.WebhookURL = tt.url(srvURL)
+				ev.ConsumerTarget = tt.url(srvURL)
 			}
-			if tt.secret != "" {
-				ev.WebhookSecret = tt.secret
+			switch tt.secret {
+			case "":
+			case "-":
+				ev.Secrets = nil
+			default:
+				ev.Secrets = []string{tt.secret}
+			}
+			if tt.kind == "-" {
+				ev.ConsumerKind = ""
 			}
 
 			res := r.deliver(t.Context(), ev)
@@ -151,6 +175,8 @@ func TestDeliver(t *testing.T) {
 
 			require.Equal(t, tt.wantOK, res.Delivered, "result %+v", res)
 			require.Equal(t, tt.wantCode, res.StatusCode)
+			require.Equal(t, tt.wantGone, res.Gone)
+			require.Equal(t, tt.wantRetryAfter, res.RetryAfter)
 			if tt.wantOK {
 				require.Empty(t, res.Error)
 				require.Len(t, got, 1)
@@ -170,7 +196,7 @@ func TestDeliver(t *testing.T) {
 			if tt.wantNoErrIn != "" {
 				require.NotContains(t, res.Error, tt.wantNoErrIn)
 			}
-			if tt.guard || tt.secret != "" {
+			if tt.guard || tt.secret != "" || tt.kind != "" {
 				require.Empty(t, got, "the receiver must not be reached")
 			}
 		})
@@ -189,7 +215,8 @@ func TestDeliverExcerptBound(t *testing.T) {
 	t.Cleanup(r.client.CloseIdleConnections)
 
 	res := r.deliver(t.Context(), pgstore.EventDelivery{
-		ID: uuid.New(), Payload: []byte(`{}`), WebhookURL: srv.URL, WebhookSecret: newSecret(t),
+		ID: uuid.New(), Payload: []byte(`{}`), ConsumerKind: pgstore.ConsumerWebhook, ConsumerTarget: srv.URL,
+		Secrets: []string{newSecret(t)},
 	})
 
 	require.Equal(t, 503, res.StatusCode)
@@ -209,6 +236,8 @@ func TestNewRejectsInvalidConfig(t *testing.T) {
 		{"poll interval", func(c *config.Router) { c.PollInterval = 0 }, "poll_interval"},
 		{"timeout", func(c *config.Router) { c.Timeout = 0 }, "timeout"},
 		{"claim ttl", func(c *config.Router) { c.ClaimTTL = c.Timeout }, "claim_ttl"},
+		{"per application concurrency", func(c *config.Router) { c.PerApplicationConcurrency = 0 }, "per_application_concurrency"},
+		{"secret key", func(c *config.Router) { c.SecretKey = "c2hvcnQ=" }, "secret_key"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

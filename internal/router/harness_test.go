@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/stretchr/testify/require"
 
@@ -40,13 +41,13 @@ type harness struct {
 	pool  *pgxpool.Pool
 }
 
-func newHarness(t *testing.T) *harness {
+func newHarness(t testing.TB) *harness {
 	t.Helper()
 	url := pgtest.NewDatabase(t, migrate)
-	store, err := pgstore.Open(t.Context(), url, nil)
+	store, err := pgstore.Open(context.Background(), url, nil)
 	require.NoError(t, err)
 	t.Cleanup(store.Close)
-	pool, err := pgxpool.New(t.Context(), url)
+	pool, err := pgxpool.New(context.Background(), url)
 	require.NoError(t, err)
 	t.Cleanup(pool.Close)
 	return &harness{url: url, store: store, pool: pool}
@@ -56,32 +57,58 @@ func newHarness(t *testing.T) *harness {
 // DEAD after six failures) with time compressed to milliseconds.
 func compressedConfig() config.Router {
 	return config.Router{
-		PollInterval:          20 * time.Millisecond,
-		BatchSize:             10,
-		Concurrency:           8,
-		ClaimTTL:              10 * time.Second,
-		Timeout:               2 * time.Second,
-		RetryDelays:           []time.Duration{50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond},
-		Jitter:                0.1,
-		AllowPrivateAddresses: true,
+		PollInterval:              20 * time.Millisecond,
+		BatchSize:                 10,
+		Concurrency:               8,
+		ClaimTTL:                  10 * time.Second,
+		Timeout:                   2 * time.Second,
+		RetryDelays:               []time.Duration{50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond, 50 * time.Millisecond},
+		Jitter:                    0.1,
+		AllowPrivateAddresses:     true,
+		PerApplicationConcurrency: 8,
 	}
 }
 
-// app registers an application with a webhook consumer.
-func (h *harness) app(t *testing.T, webhookURL, secret string) pgstore.Application {
+// app registers an application with a webhook consumer (none when
+// webhookURL is empty).
+func (h *harness) app(t testing.TB, webhookURL, secret string) pgstore.Application {
 	t.Helper()
-	a, err := h.store.ApplicationUpsert(t.Context(), pgstore.ApplicationUpsertParams{
+	a, err := h.store.ApplicationUpsert(context.Background(), pgstore.ApplicationUpsertParams{
 		Name: "app-" + uuid.NewString(), APIKey: uuid.NewString(), WebhookURL: webhookURL, WebhookSecret: secret,
 	})
 	require.NoError(t, err)
 	return a
 }
 
+// consumer registers (or replaces) app's consumer through the store.
+func (h *harness) consumer(t testing.TB, app uuid.UUID, kind pgstore.ConsumerKind, target string, secrets ...string) pgstore.Consumer {
+	t.Helper()
+	c, err := h.store.ConsumerSet(context.Background(), pgstore.ConsumerSetParams{
+		ApplicationID: app, Kind: kind, Target: target, Secrets: secrets,
+	})
+	require.NoError(t, err)
+	return c
+}
+
+// rawConsumer writes a consumer row as is, bypassing validation, to test
+// how the router copes with rows it would never accept on registration.
+func (h *harness) rawConsumer(t testing.TB, app uuid.UUID, kind pgstore.ConsumerKind, target string, secrets ...string) {
+	t.Helper()
+	ctx := context.Background()
+	_, err := h.pool.Exec(ctx, `INSERT INTO event_consumers (application_id, kind, target) VALUES ($1, $2, $3)`, app, kind, target)
+	require.NoError(t, err)
+	for _, s := range secrets {
+		_, err := h.pool.Exec(ctx, `
+INSERT INTO event_consumer_secrets (id, application_id, sealed, fingerprint) VALUES ($1, $2, $3, 'raw')`, uuid.New(), app, s)
+		require.NoError(t, err)
+	}
+}
+
 // event runs one execution of app through insert, attempt start and
 // settlement, which writes its completion event, and returns the event id.
-func (h *harness) event(t *testing.T, appID uuid.UUID) uuid.UUID {
+func (h *harness) event(t testing.TB, appID uuid.UUID) uuid.UUID {
 	t.Helper()
-	ctx := t.Context()
+	ctx := context.Background()
 	hash := sha256.Sum256([]byte(rand.Text()))
 	e, _, err := h.store.ExecutionInsert(ctx, pgstore.ExecutionInsertParams{
 		ApplicationID: appID, Capability: "test.echo", Release: "v1", Mode: execution.ModeAsync, MaxAttempts: 1,
@@ -106,39 +133,49 @@ func (h *harness) event(t *testing.T, appID uuid.UUID) uuid.UUID {
 
 // eventRow is a completion event as stored.
 type eventRow struct {
-	Status     string
-	Attempts   int
-	StatusCode *int
-	Error      *string
-	Payload    []byte
+	Status        string
+	Attempts      int
+	RoundAttempts int
+	Replays       int
+	StatusCode    *int
+	Error         *string
+	Payload       []byte
 }
 
-func (h *harness) eventRow(t *testing.T, id uuid.UUID) eventRow {
+func (h *harness) eventRow(t testing.TB, id uuid.UUID) eventRow {
 	t.Helper()
 	var r eventRow
-	require.NoError(t, h.pool.QueryRow(t.Context(), `
-SELECT status, delivery_attempts, last_status_code, last_error, payload FROM completion_events WHERE id = $1`, id).
-		Scan(&r.Status, &r.Attempts, &r.StatusCode, &r.Error, &r.Payload))
+	require.NoError(t, h.pool.QueryRow(context.Background(), `
+SELECT status, delivery_attempts, round_attempts, replays, last_status_code, last_error, payload
+  FROM completion_events WHERE id = $1`, id).
+		Scan(&r.Status, &r.Attempts, &r.RoundAttempts, &r.Replays, &r.StatusCode, &r.Error, &r.Payload))
 	return r
 }
 
 // attemptRow is one delivery_attempts row.
 type attemptRow struct {
-	Attempt    int
-	StatusCode *int
-	Error      *string
+	Attempt         int
+	StatusCode      *int
+	Error           *string
+	Replay          int
+	ConsumerKind    string
+	ConsumerVersion *int64
+	StartedAt       time.Time
+	EndedAt         time.Time
 }
 
-func (h *harness) attempts(t *testing.T, id uuid.UUID) []attemptRow {
+func (h *harness) attempts(t testing.TB, id uuid.UUID) []attemptRow {
 	t.Helper()
-	rows, err := h.pool.Query(t.Context(), `
-SELECT attempt, status_code, error FROM delivery_attempts WHERE event_id = $1 ORDER BY attempt`, id)
+	rows, err := h.pool.Query(context.Background(), `
+SELECT attempt, status_code, error, replay, consumer_kind, consumer_version, started_at, ended_at
+  FROM delivery_attempts WHERE event_id = $1 ORDER BY attempt`, id)
 	require.NoError(t, err)
 	defer rows.Close()
 	var out []attemptRow
 	for rows.Next() {
 		var a attemptRow
-		require.NoError(t, rows.Scan(&a.Attempt, &a.StatusCode, &a.Error))
+		require.NoError(t, rows.Scan(&a.Attempt, &a.StatusCode, &a.Error, &a.Replay, &a.ConsumerKind,
+			&a.ConsumerVersion, &a.StartedAt, &a.EndedAt))
 		out = append(out, a)
 	}
 	require.NoError(t, rows.Err())
@@ -161,7 +198,7 @@ type running struct {
 
 // start runs a router on h's store until the test ends (or stop is
 // called). Every finished attempt is sent to out, which must be drained.
-func (h *harness) start(t *testing.T, cfg config.Router, out chan<- outcome, logger *slog.Logger, opts ...Option) *running {
+func (h *harness) start(t testing.TB, cfg config.Router, out chan<- outcome, logger *slog.Logger, opts ...Option) *running {
 	t.Helper()
 	if logger == nil {
 		logger = slog.New(slog.NewTextHandler(t.Output(), &slog.HandlerOptions{Level: slog.LevelDebug}))
@@ -179,7 +216,7 @@ func (h *harness) start(t *testing.T, cfg config.Router, out chan<- outcome, log
 }
 
 // stop cancels Run and waits for it to return nil.
-func (r *running) stop(t *testing.T) {
+func (r *running) stop(t testing.TB) {
 	t.Helper()
 	r.cancel()
 	select {
@@ -191,7 +228,7 @@ func (r *running) stop(t *testing.T) {
 }
 
 // await reads outcomes until until returns true.
-func await(t *testing.T, out <-chan outcome, until func(outcome) bool) {
+func await(t testing.TB, out <-chan outcome, until func(outcome) bool) {
 	t.Helper()
 	timer := time.NewTimer(waitTimeout)
 	defer timer.Stop()
@@ -227,7 +264,7 @@ type receiver struct {
 	reqs []request
 }
 
-func newReceiver(t *testing.T, respond func(n int, w http.ResponseWriter, r *http.Request)) *receiver {
+func newReceiver(t testing.TB, respond func(n int, w http.ResponseWriter, r *http.Request)) *receiver {
 	t.Helper()
 	rc := &receiver{}
 	rc.Server = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -245,7 +282,7 @@ func newReceiver(t *testing.T, respond func(n int, w http.ResponseWriter, r *htt
 // newGatedReceiver returns a receiver that signals every request's arrival
 // on arrived and holds it until open is called (or the client gives up),
 // then answers 200. open is idempotent and also runs at cleanup.
-func newGatedReceiver(t *testing.T) (rc *receiver, arrived <-chan struct{}, open func()) {
+func newGatedReceiver(t testing.TB) (rc *receiver, arrived <-chan struct{}, open func()) {
 	t.Helper()
 	arrivals := make(chan struct{}, 16)
 	release := make(chan struct{})
@@ -262,7 +299,7 @@ func newGatedReceiver(t *testing.T) (rc *receiver, arrived <-chan struct{}, open
 }
 
 // wait returns the next value from ch, failing the test after waitTimeout.
-func wait[T any](t *testing.T, ch <-chan T, what string) T {
+func wait[T any](t testing.TB, ch <-chan T, what string) T {
 	t.Helper()
 	select {
 	case v := <-ch:
@@ -299,6 +336,46 @@ func (b *logBuffer) String() string {
 }
 
 // teeLogger logs at debug level to the test output and to buf.
-func teeLogger(t *testing.T, buf *logBuffer) *slog.Logger {
+func teeLogger(t testing.TB, buf *logBuffer) *slog.Logger {
 	return slog.New(slog.NewTextHandler(io.MultiWriter(t.Output(), buf), &slog.HandlerOptions{Level: slog.LevelDebug}))
+}
+
+// bulkEvents inserts n settled executions of app with their PENDING
+// completion events in two statements (much faster than event, for
+// backlogs and benchmarks) and returns the event ids, oldest first.
+func (h *harness) bulkEvents(t testing.TB, app uuid.UUID, n int) []uuid.UUID {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := h.pool.Begin(ctx)
+	require.NoError(t, err)
+	defer func() { _ = tx.Rollback(ctx) }()
+	rows, err := tx.Query(ctx, `
+WITH ex AS (
+  INSERT INTO executions (id, application_id, capability, release, mode, status, attempt, max_attempts, input,
+                          content_type, request_hash, budget_deadline, settled_at)
+  SELECT gen_random_uuid(), $1, 'test.echo', 'v1', 'ASYNC', 'SUCCEEDED', 1, 1, '\x7b7d', 'application/json',
+         sha256(gen_random_uuid()::text::bytea), now() + interval '1 hour', now()
+    FROM generate_series(1, $2)
+  RETURNING id)
+INSERT INTO completion_events (id, execution_id, application_id, type, payload, next_attempt_at)
+SELECT x.id2, x.exid, $1, 'execution.succeeded',
+       convert_to(json_build_object('eventId', x.id2, 'executionId', x.exid, 'type', 'execution.succeeded')::text, 'UTF8'),
+       clock_timestamp()
+  FROM (SELECT gen_random_uuid() AS id2, ex.id AS exid FROM ex) x
+RETURNING id`, app, n)
+	require.NoError(t, err)
+	ids, err := pgx.CollectRows(rows, pgx.RowTo[uuid.UUID])
+	require.NoError(t, err)
+	require.NoError(t, tx.Commit(ctx))
+	require.Len(t, ids, n)
+	return ids
+}
+
+// countStatus counts app's events in status.
+func (h *harness) countStatus(t testing.TB, app uuid.UUID, status string) int {
+	t.Helper()
+	var n int
+	require.NoError(t, h.pool.QueryRow(context.Background(),
+		`SELECT count(*) FROM completion_events WHERE application_id = $1 AND status = $2`, app, status).Scan(&n))
+	return n
 }

@@ -87,9 +87,12 @@ func TestRouterFailedDeliveriesGoDead(t *testing.T) {
 			w.WriteHeader(http.StatusInternalServerError)
 			_, _ = w.Write([]byte("oops: response-body-marker"))
 		}, wantCode: 500, wantErr: "HTTP 500: oops: response-body-marker", reached: true},
-		{name: "410 is a normal failure", respond: func(_ int, w http.ResponseWriter, _ *http.Request) {
-			w.WriteHeader(http.StatusGone)
-		}, wantCode: 410, wantErr: "HTTP 410", reached: true},
+		{name: "404 is a normal failure", respond: func(_ int, w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusNotFound)
+		}, wantCode: 404, wantErr: "HTTP 404", reached: true},
+		{name: "429 without Retry-After", respond: func(_ int, w http.ResponseWriter, _ *http.Request) {
+			w.WriteHeader(http.StatusTooManyRequests)
+		}, wantCode: 429, wantErr: "HTTP 429", reached: true},
 		{name: "redirect is not followed", respond: func(_ int, w http.ResponseWriter, r *http.Request) {
 			if r.URL.Path == "/elsewhere" {
 				panic("redirect followed")
@@ -119,7 +122,14 @@ func TestRouterFailedDeliveriesGoDead(t *testing.T) {
 			if tt.url != nil {
 				url = tt.url(rc.URL)
 			}
-			app := h.app(t, url, secret)
+			var app pgstore.Application
+			if tt.url != nil && url != "" {
+				// A row registration would refuse (written before validation existed).
+				app = h.app(t, "", "")
+				h.rawConsumer(t, app.ID, pgstore.ConsumerWebhook, url, secret)
+			} else {
+				app = h.app(t, url, secret)
+			}
 			id := h.event(t, app.ID)
 			cfg := compressedConfig()
 			cfg.AllowPrivateAddresses = !tt.guard

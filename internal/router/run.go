@@ -5,16 +5,20 @@ import (
 	"fmt"
 	"log/slog"
 
+	"go.opentelemetry.io/otel"
+
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/daemon"
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
 
 // Main runs the router daemon until ctx ends: it opens the store (applying
 // migrations first when cfg.Database.MigrateOnStart), serves /healthz and
 // /readyz on cfg.Router.AdminListen (ready when store.Ping succeeds; ""
-// disables the admin server) and runs a Router, draining deliveries in
-// flight on shutdown. It returns nil after a clean stop, or the first error:
+// disables the admin server), creates a Kafka client for cfg.Kafka.Brokers
+// (for Kafka consumers; it connects on first use) and runs a Router,
+// draining deliveries in flight on shutdown. It returns nil after a clean stop, or the first error:
 // a bad database URL, a failed migration, an admin address that cannot be
 // bound, or a failing admin server.
 func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
@@ -40,7 +44,19 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		logger.InfoContext(ctx, "admin http listening", "addr", lis.Addr().String())
 		g.Go(func() error { return daemon.ServeHTTP(gctx, health.Handler(), lis, daemon.Grace) })
 	}
-	r := New(store, cfg.Router, logger)
+	// Metrics go to the global OpenTelemetry provider: a no-op unless the
+	// process installed one.
+	opts := []Option{WithMeterProvider(otel.GetMeterProvider())}
+	if len(cfg.Kafka.Brokers) > 0 {
+		// The client connects on first use: only Kafka consumers need it.
+		cl, err := kafka.NewClient(cfg.Kafka.Brokers, logger)
+		if err != nil {
+			return fmt.Errorf("router: %w", err)
+		}
+		defer cl.Close()
+		opts = append(opts, WithKafkaProducer(cl))
+	}
+	r := New(store, cfg.Router, logger, opts...)
 	g.Go(func() error { return r.Run(gctx) })
 	if err := g.Wait(); err != nil {
 		return fmt.Errorf("router: %w", err)

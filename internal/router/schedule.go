@@ -45,3 +45,16 @@ func RetryAfter(failures int, delays []time.Duration, jitter, u float64) (delay 
 	// guard against rounding.
 	return min(max(time.Duration(out), 0), 2*MaxRetryDelay), false
 }
+
+// nextDelay is the delay after the failures-th failed attempt of the
+// current delivery round: RetryAfter's schedule, then, when the receiver
+// asked for hint (Retry-After on 429 or 503; 0 for none), the hint clamped
+// to [scheduled delay, 2 × scheduled delay], so a receiver can slow the
+// schedule down but neither speed it up nor stall it. dead is RetryAfter's.
+func nextDelay(failures int, delays []time.Duration, jitter, u float64, hint time.Duration) (delay time.Duration, dead bool) {
+	delay, dead = RetryAfter(failures, delays, jitter, u)
+	if dead || hint <= 0 {
+		return delay, dead
+	}
+	return min(max(hint, delay), 2*delay), false
+}

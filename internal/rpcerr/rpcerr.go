@@ -28,8 +28,11 @@ func Code(err error) codes.Code {
 		return codes.NotFound
 	case errors.Is(err, execution.ErrIdempotencyConflict):
 		return codes.AlreadyExists
-	case errors.Is(err, execution.ErrConflict), errors.Is(err, execution.ErrLeaseLost):
+	case errors.Is(err, execution.ErrConflict), errors.Is(err, execution.ErrLeaseLost),
+		errors.Is(err, execution.ErrCompletionRefused):
 		return codes.FailedPrecondition
+	case errors.Is(err, execution.ErrPermissionDenied):
+		return codes.PermissionDenied
 	case errors.Is(err, execution.ErrUnavailable):
 		return codes.Unavailable
 	case errors.Is(err, context.DeadlineExceeded):

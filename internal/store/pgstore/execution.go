@@ -16,20 +16,22 @@ import (
 
 const executionColumns = `id, application_id, capability, release, mode, status, attempt, max_attempts, version,
 input, content_type, idempotency_key, lease_owner, lease_token, lease_expires_at, budget_deadline,
-output, output_content_type, failure_class, failure_reason, failure_message, created_at, updated_at, settled_at`
+output, output_content_type, failure_class, failure_reason, failure_message, created_at, updated_at, settled_at,
+await_unit_id, progress_percent, progress_message`
 
 func scanExecution(row pgx.Row) (execution.Execution, error) {
 	var (
 		e                         execution.Execution
 		idem, leaseOwner, outType *string
 		fClass, fReason, fMessage *string
-		leaseToken                *uuid.UUID
+		leaseToken, awaitUnit     *uuid.UUID
 		leaseExpires, settledAt   *time.Time
 		mode, status              string
 	)
 	err := row.Scan(&e.ID, &e.ApplicationID, &e.Capability, &e.Release, &mode, &status, &e.Attempt, &e.MaxAttempts,
 		&e.Version, &e.Input, &e.ContentType, &idem, &leaseOwner, &leaseToken, &leaseExpires, &e.BudgetDeadline,
-		&e.Output, &outType, &fClass, &fReason, &fMessage, &e.CreatedAt, &e.UpdatedAt, &settledAt)
+		&e.Output, &outType, &fClass, &fReason, &fMessage, &e.CreatedAt, &e.UpdatedAt, &settledAt,
+		&awaitUnit, &e.ProgressPercent, &e.ProgressMessage)
 	if err != nil {
 		return execution.Execution{}, err
 	}
@@ -47,6 +49,9 @@ func scanExecution(row pgx.Row) (execution.Execution, error) {
 		e.SettledAt = *settledAt
 	}
 	e.OutputType = deref(outType)
+	if awaitUnit != nil {
+		e.AwaitUnitID = *awaitUnit
+	}
 	if fClass != nil {
 		e.Failure = &execution.Failure{Class: *fClass, Reason: deref(fReason), Message: deref(fMessage)}
 	}

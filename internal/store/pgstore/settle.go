@@ -42,8 +42,9 @@ type SettleParams struct {
 
 // ExecutionSettle is the settlement compare-and-set (SYSTEM §3, §4 hop 5):
 // one UPDATE guarded by the fence and "not terminal", and, only when it
-// wins, the completion event, the closing of the attempt row and the
-// removal of pending dispatch records, all in one transaction. Zero rows
+// wins, the completion event, the closing of the attempt row, the removal
+// of pending dispatch records and the cancellation of open await units and
+// interactions, all in one transaction. Zero rows
 // means another writer settled or moved the execution first:
 // execution.ErrConflict, and nothing was written.
 func (s *Store) ExecutionSettle(ctx context.Context, p SettleParams) (execution.Execution, error) {
@@ -100,6 +101,9 @@ INSERT INTO completion_events (id, execution_id, application_id, type, payload) 
 	}
 	if _, err := tx.Exec(ctx, `DELETE FROM dispatch_records WHERE execution_id = $1`, e.ID); err != nil {
 		return execution.Execution{}, fmt.Errorf("delete dispatch records: %w", err)
+	}
+	if err := cancelOpenAwaitsTx(ctx, tx, e.ID); err != nil {
+		return execution.Execution{}, err
 	}
 	return e, nil
 }
@@ -187,69 +191,80 @@ type RetryResult struct {
 // that no longer matches returns execution.ErrLeaseLost and writes nothing.
 func (s *Store) AttemptRetry(ctx context.Context, p RetryParams) (RetryResult, error) {
 	var res RetryResult
+	err := s.withTx(ctx, func(tx pgx.Tx) error {
+		var err error
+		res, err = retryTx(ctx, tx, p)
+		return err
+	})
+	return res, err
+}
+
+// retryTx is AttemptRetry inside the caller's transaction.
+func retryTx(ctx context.Context, tx pgx.Tx, p RetryParams) (RetryResult, error) {
+	var res RetryResult
 	outcome := p.AttemptOutcome
 	if outcome == "" {
 		outcome = "RETRYABLE_FAILURE"
 	}
 	failure := p.Failure.Bounded()
-	err := s.withTx(ctx, func(tx pgx.Tx) error {
-		var (
-			status          string
-			attempt, maxAtt int
-			token           *uuid.UUID
-			version         int64
-			budget, now     time.Time
-		)
-		err := tx.QueryRow(ctx, `
+	var (
+		status          string
+		attempt, maxAtt int
+		token           *uuid.UUID
+		version         int64
+		budget, now     time.Time
+	)
+	err := tx.QueryRow(ctx, `
 SELECT status, attempt, max_attempts, lease_token, version, budget_deadline, now()
   FROM executions WHERE id = $1 FOR UPDATE`, p.ExecutionID).
-			Scan(&status, &attempt, &maxAtt, &token, &version, &budget, &now)
-		if err != nil {
-			return fmt.Errorf("read execution for retry: %w", err)
+		Scan(&status, &attempt, &maxAtt, &token, &version, &budget, &now)
+	if err != nil {
+		return res, fmt.Errorf("read execution for retry: %w", err)
+	}
+	if (status != string(execution.StatusRunning) && status != string(execution.StatusWaitingExternal)) ||
+		attempt != p.Fence.Attempt || token == nil || *token != p.Fence.LeaseToken {
+		return res, fmt.Errorf("retry %s attempt %d: %w", p.ExecutionID, p.Fence.Attempt, execution.ErrLeaseLost)
+	}
+	delay := p.Policy.RetryDelay(attempt, p.Rand)
+	res.Decision = execution.DecideRetry(attempt, maxAtt, now, delay, budget)
+	switch res.Decision {
+	case execution.RetryExhausted, execution.RetryBudgetExceeded:
+		st, reason := execution.StatusFailed, execution.ReasonAttemptLimit
+		if res.Decision == execution.RetryBudgetExceeded {
+			st, reason = execution.StatusTimedOut, execution.ReasonAsyncBudget
 		}
-		if (status != string(execution.StatusRunning) && status != string(execution.StatusWaitingExternal)) ||
-			attempt != p.Fence.Attempt || token == nil || *token != p.Fence.LeaseToken {
-			return fmt.Errorf("retry %s attempt %d: %w", p.ExecutionID, p.Fence.Attempt, execution.ErrLeaseLost)
-		}
-		delay := p.Policy.RetryDelay(attempt, p.Rand)
-		res.Decision = execution.DecideRetry(attempt, maxAtt, now, delay, budget)
-		switch res.Decision {
-		case execution.RetryExhausted, execution.RetryBudgetExceeded:
-			st, reason := execution.StatusFailed, execution.ReasonAttemptLimit
-			if res.Decision == execution.RetryBudgetExceeded {
-				st, reason = execution.StatusTimedOut, execution.ReasonAsyncBudget
-			}
-			final := failure
-			final.Reason = reason
-			res.Execution, err = settleTx(ctx, tx, SettleParams{
-				ExecutionID: p.ExecutionID, Fence: Fence{Version: version, Attempt: attempt}, Status: st,
-				Failure: &final, AttemptOutcome: outcome, AttemptFailure: &failure,
-			})
-			return err
-		}
-		res.Execution, err = scanExecution(tx.QueryRow(ctx, `
+		final := failure
+		final.Reason = reason
+		res.Execution, err = settleTx(ctx, tx, SettleParams{
+			ExecutionID: p.ExecutionID, Fence: Fence{Version: version, Attempt: attempt}, Status: st,
+			Failure: &final, AttemptOutcome: outcome, AttemptFailure: &failure,
+		})
+		return res, err
+	}
+	res.Execution, err = scanExecution(tx.QueryRow(ctx, `
 UPDATE executions
    SET status = 'RETRY_SCHEDULED', failure_class = $3, failure_message = $4, lease_token = NULL,
        lease_owner = NULL, lease_expires_at = NULL, version = version + 1, updated_at = now()
  WHERE id = $1 AND version = $2 AND status IN ('RUNNING', 'WAITING_EXTERNAL')
 RETURNING `+executionColumns, p.ExecutionID, version, failure.Class, failure.Message))
-		if errors.Is(err, pgx.ErrNoRows) {
-			// Unreachable under FOR UPDATE; kept as the guard's contract.
-			return fmt.Errorf("retry %s: %w", p.ExecutionID, execution.ErrConflict)
-		}
-		if err != nil {
-			return fmt.Errorf("schedule retry: %w", err)
-		}
-		err = tx.QueryRow(ctx, `
+	if errors.Is(err, pgx.ErrNoRows) {
+		// Unreachable under FOR UPDATE; kept as the guard's contract.
+		return res, fmt.Errorf("retry %s: %w", p.ExecutionID, execution.ErrConflict)
+	}
+	if err != nil {
+		return res, fmt.Errorf("schedule retry: %w", err)
+	}
+	err = tx.QueryRow(ctx, `
 INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at)
 VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5)) RETURNING due_at`,
-			uuid.New(), p.ExecutionID, res.Execution.ApplicationID, attempt+1, delay.Seconds()).Scan(&res.DueAt)
-		if err != nil {
-			return fmt.Errorf("insert dispatch record for attempt %d: %w", attempt+1, err)
-		}
-		return closeAttempt(ctx, tx, p.ExecutionID, attempt, outcome, &failure)
-	})
-	return res, err
+		uuid.New(), p.ExecutionID, res.Execution.ApplicationID, attempt+1, delay.Seconds()).Scan(&res.DueAt)
+	if err != nil {
+		return res, fmt.Errorf("insert dispatch record for attempt %d: %w", attempt+1, err)
+	}
+	if err := cancelOpenAwaitsTx(ctx, tx, p.ExecutionID); err != nil {
+		return res, err
+	}
+	return res, closeAttempt(ctx, tx, p.ExecutionID, attempt, outcome, &failure)
 }
 
 // LeaseExpired is an attempt whose lease has passed its expiry.

@@ -120,7 +120,8 @@ func translate(err error) error {
 	}
 	if errors.Is(err, execution.ErrNotFound) || errors.Is(err, execution.ErrConflict) ||
 		errors.Is(err, execution.ErrLeaseLost) || errors.Is(err, execution.ErrIdempotencyConflict) ||
-		errors.Is(err, execution.ErrUnavailable) {
+		errors.Is(err, execution.ErrUnavailable) || errors.Is(err, execution.ErrPermissionDenied) ||
+		errors.Is(err, execution.ErrCompletionRefused) {
 		return err
 	}
 	if errors.Is(err, pgx.ErrNoRows) {

@@ -44,6 +44,11 @@ type ExecuteRequest struct {
 	Deadline *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=deadline,proto3" json:"deadline,omitempty"`
 	// Id of the invoking application.
 	ApplicationId string `protobuf:"bytes,8,opt,name=application_id,json=applicationId,proto3" json:"application_id,omitempty"`
+	// Attempt-scoped callback token for AdapterCallbackService (RenewLease,
+	// ReportProgress, CompleteExecution). It is signed by Capstan and bound to
+	// the application, the execution, this attempt, its lease and an expiry;
+	// treat it as a secret.
+	CallbackToken string `protobuf:"bytes,9,opt,name=callback_token,json=callbackToken,proto3" json:"callback_token,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -134,14 +139,22 @@ func (x *ExecuteRequest) GetApplicationId() string {
 	return ""
 }
 
-// ExecuteResponse is the outcome of one attempt: exactly one of result or
-// failure.
+func (x *ExecuteRequest) GetCallbackToken() string {
+	if x != nil {
+		return x.CallbackToken
+	}
+	return ""
+}
+
+// ExecuteResponse is the outcome of one attempt: a result, a failure, or
+// "accepted, will complete later".
 type ExecuteResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// Types that are valid to be assigned to Outcome:
 	//
 	//	*ExecuteResponse_Result
 	//	*ExecuteResponse_Failure
+	//	*ExecuteResponse_Accepted
 	Outcome       isExecuteResponse_Outcome `protobuf_oneof:"outcome"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -202,6 +215,15 @@ func (x *ExecuteResponse) GetFailure() *Failure {
 	return nil
 }
 
+func (x *ExecuteResponse) GetAccepted() *Accepted {
+	if x != nil {
+		if x, ok := x.Outcome.(*ExecuteResponse_Accepted); ok {
+			return x.Accepted
+		}
+	}
+	return nil
+}
+
 type isExecuteResponse_Outcome interface {
 	isExecuteResponse_Outcome()
 }
@@ -214,9 +236,66 @@ type ExecuteResponse_Failure struct {
 	Failure *Failure `protobuf:"bytes,2,opt,name=failure,proto3,oneof"`
 }
 
+type ExecuteResponse_Accepted struct {
+	// The adapter took the work and will complete it later through
+	// AdapterCallbackService.CompleteExecution (with the callback token) or
+	// InteractionService.CompleteInteraction. The attempt opens an await
+	// unit and the execution parks in WAITING_EXTERNAL; the adapter must
+	// renew the lease with RenewLease before it expires.
+	Accepted *Accepted `protobuf:"bytes,3,opt,name=accepted,proto3,oneof"`
+}
+
 func (*ExecuteResponse_Result) isExecuteResponse_Outcome() {}
 
 func (*ExecuteResponse_Failure) isExecuteResponse_Outcome() {}
+
+func (*ExecuteResponse_Accepted) isExecuteResponse_Outcome() {}
+
+// Accepted says the adapter will complete the attempt later.
+type Accepted struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Optional provider-side reference, stored on the interaction; at most 256 bytes.
+	ExternalReference string `protobuf:"bytes,1,opt,name=external_reference,json=externalReference,proto3" json:"external_reference,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
+}
+
+func (x *Accepted) Reset() {
+	*x = Accepted{}
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Accepted) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Accepted) ProtoMessage() {}
+
+func (x *Accepted) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Accepted.ProtoReflect.Descriptor instead.
+func (*Accepted) Descriptor() ([]byte, []int) {
+	return file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Accepted) GetExternalReference() string {
+	if x != nil {
+		return x.ExternalReference
+	}
+	return ""
+}
 
 // Result is a successful outcome.
 type Result struct {
@@ -230,7 +309,7 @@ type Result struct {
 
 func (x *Result) Reset() {
 	*x = Result{}
-	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[2]
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -242,7 +321,7 @@ func (x *Result) String() string {
 func (*Result) ProtoMessage() {}
 
 func (x *Result) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[2]
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -255,7 +334,7 @@ func (x *Result) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Result.ProtoReflect.Descriptor instead.
 func (*Result) Descriptor() ([]byte, []int) {
-	return file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP(), []int{2}
+	return file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *Result) GetOutput() []byte {
@@ -287,7 +366,7 @@ type Failure struct {
 
 func (x *Failure) Reset() {
 	*x = Failure{}
-	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[3]
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -299,7 +378,7 @@ func (x *Failure) String() string {
 func (*Failure) ProtoMessage() {}
 
 func (x *Failure) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[3]
+	mi := &file_capstan_adapter_v1_adapter_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -312,7 +391,7 @@ func (x *Failure) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Failure.ProtoReflect.Descriptor instead.
 func (*Failure) Descriptor() ([]byte, []int) {
-	return file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP(), []int{3}
+	return file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Failure) GetClass() string {
@@ -340,7 +419,7 @@ var File_capstan_adapter_v1_adapter_service_proto protoreflect.FileDescriptor
 
 const file_capstan_adapter_v1_adapter_service_proto_rawDesc = "" +
 	"\n" +
-	"(capstan/adapter/v1/adapter_service.proto\x12\x12capstan.adapter.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x9f\x02\n" +
+	"(capstan/adapter/v1/adapter_service.proto\x12\x12capstan.adapter.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc6\x02\n" +
 	"\x0eExecuteRequest\x12!\n" +
 	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\x12\x18\n" +
 	"\aattempt\x18\x02 \x01(\x05R\aattempt\x12\x1e\n" +
@@ -351,11 +430,15 @@ const file_capstan_adapter_v1_adapter_service_proto_rawDesc = "" +
 	"\x05input\x18\x05 \x01(\fR\x05input\x12!\n" +
 	"\fcontent_type\x18\x06 \x01(\tR\vcontentType\x126\n" +
 	"\bdeadline\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\x12%\n" +
-	"\x0eapplication_id\x18\b \x01(\tR\rapplicationId\"\x8b\x01\n" +
+	"\x0eapplication_id\x18\b \x01(\tR\rapplicationId\x12%\n" +
+	"\x0ecallback_token\x18\t \x01(\tR\rcallbackToken\"\xc7\x01\n" +
 	"\x0fExecuteResponse\x124\n" +
 	"\x06result\x18\x01 \x01(\v2\x1a.capstan.adapter.v1.ResultH\x00R\x06result\x127\n" +
-	"\afailure\x18\x02 \x01(\v2\x1b.capstan.adapter.v1.FailureH\x00R\afailureB\t\n" +
-	"\aoutcome\"C\n" +
+	"\afailure\x18\x02 \x01(\v2\x1b.capstan.adapter.v1.FailureH\x00R\afailure\x12:\n" +
+	"\baccepted\x18\x03 \x01(\v2\x1c.capstan.adapter.v1.AcceptedH\x00R\bacceptedB\t\n" +
+	"\aoutcome\"9\n" +
+	"\bAccepted\x12-\n" +
+	"\x12external_reference\x18\x01 \x01(\tR\x11externalReference\"C\n" +
 	"\x06Result\x12\x16\n" +
 	"\x06output\x18\x01 \x01(\fR\x06output\x12!\n" +
 	"\fcontent_type\x18\x02 \x01(\tR\vcontentType\"W\n" +
@@ -379,25 +462,27 @@ func file_capstan_adapter_v1_adapter_service_proto_rawDescGZIP() []byte {
 	return file_capstan_adapter_v1_adapter_service_proto_rawDescData
 }
 
-var file_capstan_adapter_v1_adapter_service_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_capstan_adapter_v1_adapter_service_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
 var file_capstan_adapter_v1_adapter_service_proto_goTypes = []any{
 	(*ExecuteRequest)(nil),        // 0: capstan.adapter.v1.ExecuteRequest
 	(*ExecuteResponse)(nil),       // 1: capstan.adapter.v1.ExecuteResponse
-	(*Result)(nil),                // 2: capstan.adapter.v1.Result
-	(*Failure)(nil),               // 3: capstan.adapter.v1.Failure
-	(*timestamppb.Timestamp)(nil), // 4: google.protobuf.Timestamp
+	(*Accepted)(nil),              // 2: capstan.adapter.v1.Accepted
+	(*Result)(nil),                // 3: capstan.adapter.v1.Result
+	(*Failure)(nil),               // 4: capstan.adapter.v1.Failure
+	(*timestamppb.Timestamp)(nil), // 5: google.protobuf.Timestamp
 }
 var file_capstan_adapter_v1_adapter_service_proto_depIdxs = []int32{
-	4, // 0: capstan.adapter.v1.ExecuteRequest.deadline:type_name -> google.protobuf.Timestamp
-	2, // 1: capstan.adapter.v1.ExecuteResponse.result:type_name -> capstan.adapter.v1.Result
-	3, // 2: capstan.adapter.v1.ExecuteResponse.failure:type_name -> capstan.adapter.v1.Failure
-	0, // 3: capstan.adapter.v1.AdapterService.Execute:input_type -> capstan.adapter.v1.ExecuteRequest
-	1, // 4: capstan.adapter.v1.AdapterService.Execute:output_type -> capstan.adapter.v1.ExecuteResponse
-	4, // [4:5] is the sub-list for method output_type
-	3, // [3:4] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	5, // 0: capstan.adapter.v1.ExecuteRequest.deadline:type_name -> google.protobuf.Timestamp
+	3, // 1: capstan.adapter.v1.ExecuteResponse.result:type_name -> capstan.adapter.v1.Result
+	4, // 2: capstan.adapter.v1.ExecuteResponse.failure:type_name -> capstan.adapter.v1.Failure
+	2, // 3: capstan.adapter.v1.ExecuteResponse.accepted:type_name -> capstan.adapter.v1.Accepted
+	0, // 4: capstan.adapter.v1.AdapterService.Execute:input_type -> capstan.adapter.v1.ExecuteRequest
+	1, // 5: capstan.adapter.v1.AdapterService.Execute:output_type -> capstan.adapter.v1.ExecuteResponse
+	5, // [5:6] is the sub-list for method output_type
+	4, // [4:5] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_capstan_adapter_v1_adapter_service_proto_init() }
@@ -408,6 +493,7 @@ func file_capstan_adapter_v1_adapter_service_proto_init() {
 	file_capstan_adapter_v1_adapter_service_proto_msgTypes[1].OneofWrappers = []any{
 		(*ExecuteResponse_Result)(nil),
 		(*ExecuteResponse_Failure)(nil),
+		(*ExecuteResponse_Accepted)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -415,7 +501,7 @@ func file_capstan_adapter_v1_adapter_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_adapter_v1_adapter_service_proto_rawDesc), len(file_capstan_adapter_v1_adapter_service_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   4,
+			NumMessages:   5,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -186,7 +186,13 @@ type Execution struct {
 	// Content type of output, for example "application/json".
 	OutputContentType string `protobuf:"bytes,11,opt,name=output_content_type,json=outputContentType,proto3" json:"output_content_type,omitempty"`
 	// Set when status is FAILED, TIMED_OUT or CANCELLED.
-	Failure       *Failure `protobuf:"bytes,12,opt,name=failure,proto3" json:"failure,omitempty"`
+	Failure *Failure `protobuf:"bytes,12,opt,name=failure,proto3" json:"failure,omitempty"`
+	// Last progress reported by the adapter, 0-100.
+	ProgressPercent int32 `protobuf:"varint,13,opt,name=progress_percent,json=progressPercent,proto3" json:"progress_percent,omitempty"`
+	// Last progress message reported by the adapter.
+	ProgressMessage string `protobuf:"bytes,14,opt,name=progress_message,json=progressMessage,proto3" json:"progress_message,omitempty"`
+	// The await unit the execution is parked on, or was last parked on.
+	Await         *AwaitState `protobuf:"bytes,15,opt,name=await,proto3" json:"await,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -305,6 +311,99 @@ func (x *Execution) GetFailure() *Failure {
 	return nil
 }
 
+func (x *Execution) GetProgressPercent() int32 {
+	if x != nil {
+		return x.ProgressPercent
+	}
+	return 0
+}
+
+func (x *Execution) GetProgressMessage() string {
+	if x != nil {
+		return x.ProgressMessage
+	}
+	return ""
+}
+
+func (x *Execution) GetAwait() *AwaitState {
+	if x != nil {
+		return x.Await
+	}
+	return nil
+}
+
+// AwaitState is the state of an execution's await unit (SYSTEM §6).
+type AwaitState struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Await unit id (UUID).
+	AwaitUnitId string `protobuf:"bytes,1,opt,name=await_unit_id,json=awaitUnitId,proto3" json:"await_unit_id,omitempty"`
+	// "interaction-api", "webhook" or "kafka".
+	Transport string `protobuf:"bytes,2,opt,name=transport,proto3" json:"transport,omitempty"`
+	// WAITING, COMPLETED, FAILED, TIMED_OUT or CANCELLED.
+	Status        string                 `protobuf:"bytes,3,opt,name=status,proto3" json:"status,omitempty"`
+	Deadline      *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=deadline,proto3" json:"deadline,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AwaitState) Reset() {
+	*x = AwaitState{}
+	mi := &file_capstan_execution_v1_execution_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AwaitState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AwaitState) ProtoMessage() {}
+
+func (x *AwaitState) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_execution_v1_execution_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AwaitState.ProtoReflect.Descriptor instead.
+func (*AwaitState) Descriptor() ([]byte, []int) {
+	return file_capstan_execution_v1_execution_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *AwaitState) GetAwaitUnitId() string {
+	if x != nil {
+		return x.AwaitUnitId
+	}
+	return ""
+}
+
+func (x *AwaitState) GetTransport() string {
+	if x != nil {
+		return x.Transport
+	}
+	return ""
+}
+
+func (x *AwaitState) GetStatus() string {
+	if x != nil {
+		return x.Status
+	}
+	return ""
+}
+
+func (x *AwaitState) GetDeadline() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Deadline
+	}
+	return nil
+}
+
 var File_capstan_execution_v1_execution_proto protoreflect.FileDescriptor
 
 const file_capstan_execution_v1_execution_proto_rawDesc = "" +
@@ -313,7 +412,7 @@ const file_capstan_execution_v1_execution_proto_rawDesc = "" +
 	"\aFailure\x12\x14\n" +
 	"\x05class\x18\x01 \x01(\tR\x05class\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\x9e\x04\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\xac\x05\n" +
 	"\tExecution\x12!\n" +
 	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\x12\x1e\n" +
 	"\n" +
@@ -332,7 +431,16 @@ const file_capstan_execution_v1_execution_proto_rawDesc = "" +
 	"\x06output\x18\n" +
 	" \x01(\fR\x06output\x12.\n" +
 	"\x13output_content_type\x18\v \x01(\tR\x11outputContentType\x127\n" +
-	"\afailure\x18\f \x01(\v2\x1d.capstan.execution.v1.FailureR\afailure*\xb8\x02\n" +
+	"\afailure\x18\f \x01(\v2\x1d.capstan.execution.v1.FailureR\afailure\x12)\n" +
+	"\x10progress_percent\x18\r \x01(\x05R\x0fprogressPercent\x12)\n" +
+	"\x10progress_message\x18\x0e \x01(\tR\x0fprogressMessage\x126\n" +
+	"\x05await\x18\x0f \x01(\v2 .capstan.execution.v1.AwaitStateR\x05await\"\x9e\x01\n" +
+	"\n" +
+	"AwaitState\x12\"\n" +
+	"\rawait_unit_id\x18\x01 \x01(\tR\vawaitUnitId\x12\x1c\n" +
+	"\ttransport\x18\x02 \x01(\tR\ttransport\x12\x16\n" +
+	"\x06status\x18\x03 \x01(\tR\x06status\x126\n" +
+	"\bdeadline\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline*\xb8\x02\n" +
 	"\x0fExecutionStatus\x12 \n" +
 	"\x1cEXECUTION_STATUS_UNSPECIFIED\x10\x00\x12\x1b\n" +
 	"\x17EXECUTION_STATUS_QUEUED\x10\x01\x12\x1c\n" +
@@ -358,24 +466,27 @@ func file_capstan_execution_v1_execution_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_execution_v1_execution_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_capstan_execution_v1_execution_proto_msgTypes = make([]protoimpl.MessageInfo, 2)
+var file_capstan_execution_v1_execution_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_capstan_execution_v1_execution_proto_goTypes = []any{
 	(ExecutionStatus)(0),          // 0: capstan.execution.v1.ExecutionStatus
 	(*Failure)(nil),               // 1: capstan.execution.v1.Failure
 	(*Execution)(nil),             // 2: capstan.execution.v1.Execution
-	(*timestamppb.Timestamp)(nil), // 3: google.protobuf.Timestamp
+	(*AwaitState)(nil),            // 3: capstan.execution.v1.AwaitState
+	(*timestamppb.Timestamp)(nil), // 4: google.protobuf.Timestamp
 }
 var file_capstan_execution_v1_execution_proto_depIdxs = []int32{
 	0, // 0: capstan.execution.v1.Execution.status:type_name -> capstan.execution.v1.ExecutionStatus
-	3, // 1: capstan.execution.v1.Execution.created_at:type_name -> google.protobuf.Timestamp
-	3, // 2: capstan.execution.v1.Execution.updated_at:type_name -> google.protobuf.Timestamp
-	3, // 3: capstan.execution.v1.Execution.settled_at:type_name -> google.protobuf.Timestamp
+	4, // 1: capstan.execution.v1.Execution.created_at:type_name -> google.protobuf.Timestamp
+	4, // 2: capstan.execution.v1.Execution.updated_at:type_name -> google.protobuf.Timestamp
+	4, // 3: capstan.execution.v1.Execution.settled_at:type_name -> google.protobuf.Timestamp
 	1, // 4: capstan.execution.v1.Execution.failure:type_name -> capstan.execution.v1.Failure
-	5, // [5:5] is the sub-list for method output_type
-	5, // [5:5] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	3, // 5: capstan.execution.v1.Execution.await:type_name -> capstan.execution.v1.AwaitState
+	4, // 6: capstan.execution.v1.AwaitState.deadline:type_name -> google.protobuf.Timestamp
+	7, // [7:7] is the sub-list for method output_type
+	7, // [7:7] is the sub-list for method input_type
+	7, // [7:7] is the sub-list for extension type_name
+	7, // [7:7] is the sub-list for extension extendee
+	0, // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_capstan_execution_v1_execution_proto_init() }
@@ -389,7 +500,7 @@ func file_capstan_execution_v1_execution_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_execution_v1_execution_proto_rawDesc), len(file_capstan_execution_v1_execution_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   2,
+			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   0,
 		},

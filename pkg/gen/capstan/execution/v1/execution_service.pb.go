@@ -73,6 +73,97 @@ func (InvokeAcceptance) EnumDescriptor() ([]byte, []int) {
 	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{0}
 }
 
+// WatchExecutionRequest names the execution to watch.
+type WatchExecutionRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Execution id (UUID).
+	ExecutionId   string `protobuf:"bytes,1,opt,name=execution_id,json=executionId,proto3" json:"execution_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchExecutionRequest) Reset() {
+	*x = WatchExecutionRequest{}
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchExecutionRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchExecutionRequest) ProtoMessage() {}
+
+func (x *WatchExecutionRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchExecutionRequest.ProtoReflect.Descriptor instead.
+func (*WatchExecutionRequest) Descriptor() ([]byte, []int) {
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{0}
+}
+
+func (x *WatchExecutionRequest) GetExecutionId() string {
+	if x != nil {
+		return x.ExecutionId
+	}
+	return ""
+}
+
+// WatchExecutionResponse is one state of the execution.
+type WatchExecutionResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Execution     *Execution             `protobuf:"bytes,1,opt,name=execution,proto3" json:"execution,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchExecutionResponse) Reset() {
+	*x = WatchExecutionResponse{}
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchExecutionResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchExecutionResponse) ProtoMessage() {}
+
+func (x *WatchExecutionResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchExecutionResponse.ProtoReflect.Descriptor instead.
+func (*WatchExecutionResponse) Descriptor() ([]byte, []int) {
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *WatchExecutionResponse) GetExecution() *Execution {
+	if x != nil {
+		return x.Execution
+	}
+	return nil
+}
+
 // InvokeCapabilityRequest asks for one execution of a capability.
 type InvokeCapabilityRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -92,7 +183,7 @@ type InvokeCapabilityRequest struct {
 
 func (x *InvokeCapabilityRequest) Reset() {
 	*x = InvokeCapabilityRequest{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[0]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -104,7 +195,7 @@ func (x *InvokeCapabilityRequest) String() string {
 func (*InvokeCapabilityRequest) ProtoMessage() {}
 
 func (x *InvokeCapabilityRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[0]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -117,7 +208,7 @@ func (x *InvokeCapabilityRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvokeCapabilityRequest.ProtoReflect.Descriptor instead.
 func (*InvokeCapabilityRequest) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{0}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *InvokeCapabilityRequest) GetCapability() string {
@@ -165,7 +256,7 @@ type InvokeCapabilityResponse struct {
 
 func (x *InvokeCapabilityResponse) Reset() {
 	*x = InvokeCapabilityResponse{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[1]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -177,7 +268,7 @@ func (x *InvokeCapabilityResponse) String() string {
 func (*InvokeCapabilityResponse) ProtoMessage() {}
 
 func (x *InvokeCapabilityResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[1]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -190,7 +281,7 @@ func (x *InvokeCapabilityResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use InvokeCapabilityResponse.ProtoReflect.Descriptor instead.
 func (*InvokeCapabilityResponse) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{1}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *InvokeCapabilityResponse) GetExecutionId() string {
@@ -232,7 +323,7 @@ type GetExecutionRequest struct {
 
 func (x *GetExecutionRequest) Reset() {
 	*x = GetExecutionRequest{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[2]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -244,7 +335,7 @@ func (x *GetExecutionRequest) String() string {
 func (*GetExecutionRequest) ProtoMessage() {}
 
 func (x *GetExecutionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[2]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -257,7 +348,7 @@ func (x *GetExecutionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetExecutionRequest.ProtoReflect.Descriptor instead.
 func (*GetExecutionRequest) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{2}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *GetExecutionRequest) GetExecutionId() string {
@@ -277,7 +368,7 @@ type GetExecutionResponse struct {
 
 func (x *GetExecutionResponse) Reset() {
 	*x = GetExecutionResponse{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[3]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -289,7 +380,7 @@ func (x *GetExecutionResponse) String() string {
 func (*GetExecutionResponse) ProtoMessage() {}
 
 func (x *GetExecutionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[3]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -302,7 +393,7 @@ func (x *GetExecutionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetExecutionResponse.ProtoReflect.Descriptor instead.
 func (*GetExecutionResponse) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{3}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *GetExecutionResponse) GetExecution() *Execution {
@@ -325,7 +416,7 @@ type CancelExecutionRequest struct {
 
 func (x *CancelExecutionRequest) Reset() {
 	*x = CancelExecutionRequest{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -337,7 +428,7 @@ func (x *CancelExecutionRequest) String() string {
 func (*CancelExecutionRequest) ProtoMessage() {}
 
 func (x *CancelExecutionRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[4]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -350,7 +441,7 @@ func (x *CancelExecutionRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelExecutionRequest.ProtoReflect.Descriptor instead.
 func (*CancelExecutionRequest) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{4}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CancelExecutionRequest) GetExecutionId() string {
@@ -377,7 +468,7 @@ type CancelExecutionResponse struct {
 
 func (x *CancelExecutionResponse) Reset() {
 	*x = CancelExecutionResponse{}
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -389,7 +480,7 @@ func (x *CancelExecutionResponse) String() string {
 func (*CancelExecutionResponse) ProtoMessage() {}
 
 func (x *CancelExecutionResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[5]
+	mi := &file_capstan_execution_v1_execution_service_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -402,7 +493,7 @@ func (x *CancelExecutionResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelExecutionResponse.ProtoReflect.Descriptor instead.
 func (*CancelExecutionResponse) Descriptor() ([]byte, []int) {
-	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{5}
+	return file_capstan_execution_v1_execution_service_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CancelExecutionResponse) GetExecution() *Execution {
@@ -416,7 +507,11 @@ var File_capstan_execution_v1_execution_service_proto protoreflect.FileDescripto
 
 const file_capstan_execution_v1_execution_service_proto_rawDesc = "" +
 	"\n" +
-	",capstan/execution/v1/execution_service.proto\x12\x14capstan.execution.v1\x1a$capstan/execution/v1/execution.proto\"\x9b\x01\n" +
+	",capstan/execution/v1/execution_service.proto\x12\x14capstan.execution.v1\x1a$capstan/execution/v1/execution.proto\":\n" +
+	"\x15WatchExecutionRequest\x12!\n" +
+	"\fexecution_id\x18\x01 \x01(\tR\vexecutionId\"W\n" +
+	"\x16WatchExecutionResponse\x12=\n" +
+	"\texecution\x18\x01 \x01(\v2\x1f.capstan.execution.v1.ExecutionR\texecution\"\x9b\x01\n" +
 	"\x17InvokeCapabilityRequest\x12\x1e\n" +
 	"\n" +
 	"capability\x18\x01 \x01(\tR\n" +
@@ -443,11 +538,12 @@ const file_capstan_execution_v1_execution_service_proto_rawDesc = "" +
 	"\x10InvokeAcceptance\x12!\n" +
 	"\x1dINVOKE_ACCEPTANCE_UNSPECIFIED\x10\x00\x12\x1e\n" +
 	"\x1aINVOKE_ACCEPTANCE_ACCEPTED\x10\x01\x12\x1f\n" +
-	"\x1bINVOKE_ACCEPTANCE_DUPLICATE\x10\x022\xdc\x02\n" +
+	"\x1bINVOKE_ACCEPTANCE_DUPLICATE\x10\x022\xcb\x03\n" +
 	"\x10ExecutionService\x12q\n" +
 	"\x10InvokeCapability\x12-.capstan.execution.v1.InvokeCapabilityRequest\x1a..capstan.execution.v1.InvokeCapabilityResponse\x12e\n" +
 	"\fGetExecution\x12).capstan.execution.v1.GetExecutionRequest\x1a*.capstan.execution.v1.GetExecutionResponse\x12n\n" +
-	"\x0fCancelExecution\x12,.capstan.execution.v1.CancelExecutionRequest\x1a-.capstan.execution.v1.CancelExecutionResponseB\xec\x01\n" +
+	"\x0fCancelExecution\x12,.capstan.execution.v1.CancelExecutionRequest\x1a-.capstan.execution.v1.CancelExecutionResponse\x12m\n" +
+	"\x0eWatchExecution\x12+.capstan.execution.v1.WatchExecutionRequest\x1a,.capstan.execution.v1.WatchExecutionResponse0\x01B\xec\x01\n" +
 	"\x18com.capstan.execution.v1B\x15ExecutionServiceProtoP\x01ZGgithub.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1;executionv1\xa2\x02\x03CEX\xaa\x02\x14Capstan.Execution.V1\xca\x02\x14Capstan\\Execution\\V1\xe2\x02 Capstan\\Execution\\V1\\GPBMetadata\xea\x02\x16Capstan::Execution::V1b\x06proto3"
 
 var (
@@ -463,35 +559,40 @@ func file_capstan_execution_v1_execution_service_proto_rawDescGZIP() []byte {
 }
 
 var file_capstan_execution_v1_execution_service_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_capstan_execution_v1_execution_service_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_capstan_execution_v1_execution_service_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_capstan_execution_v1_execution_service_proto_goTypes = []any{
 	(InvokeAcceptance)(0),            // 0: capstan.execution.v1.InvokeAcceptance
-	(*InvokeCapabilityRequest)(nil),  // 1: capstan.execution.v1.InvokeCapabilityRequest
-	(*InvokeCapabilityResponse)(nil), // 2: capstan.execution.v1.InvokeCapabilityResponse
-	(*GetExecutionRequest)(nil),      // 3: capstan.execution.v1.GetExecutionRequest
-	(*GetExecutionResponse)(nil),     // 4: capstan.execution.v1.GetExecutionResponse
-	(*CancelExecutionRequest)(nil),   // 5: capstan.execution.v1.CancelExecutionRequest
-	(*CancelExecutionResponse)(nil),  // 6: capstan.execution.v1.CancelExecutionResponse
-	(ExecutionStatus)(0),             // 7: capstan.execution.v1.ExecutionStatus
-	(*Execution)(nil),                // 8: capstan.execution.v1.Execution
+	(*WatchExecutionRequest)(nil),    // 1: capstan.execution.v1.WatchExecutionRequest
+	(*WatchExecutionResponse)(nil),   // 2: capstan.execution.v1.WatchExecutionResponse
+	(*InvokeCapabilityRequest)(nil),  // 3: capstan.execution.v1.InvokeCapabilityRequest
+	(*InvokeCapabilityResponse)(nil), // 4: capstan.execution.v1.InvokeCapabilityResponse
+	(*GetExecutionRequest)(nil),      // 5: capstan.execution.v1.GetExecutionRequest
+	(*GetExecutionResponse)(nil),     // 6: capstan.execution.v1.GetExecutionResponse
+	(*CancelExecutionRequest)(nil),   // 7: capstan.execution.v1.CancelExecutionRequest
+	(*CancelExecutionResponse)(nil),  // 8: capstan.execution.v1.CancelExecutionResponse
+	(*Execution)(nil),                // 9: capstan.execution.v1.Execution
+	(ExecutionStatus)(0),             // 10: capstan.execution.v1.ExecutionStatus
 }
 var file_capstan_execution_v1_execution_service_proto_depIdxs = []int32{
-	0, // 0: capstan.execution.v1.InvokeCapabilityResponse.acceptance:type_name -> capstan.execution.v1.InvokeAcceptance
-	7, // 1: capstan.execution.v1.InvokeCapabilityResponse.status:type_name -> capstan.execution.v1.ExecutionStatus
-	8, // 2: capstan.execution.v1.InvokeCapabilityResponse.execution:type_name -> capstan.execution.v1.Execution
-	8, // 3: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
-	8, // 4: capstan.execution.v1.CancelExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
-	1, // 5: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
-	3, // 6: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
-	5, // 7: capstan.execution.v1.ExecutionService.CancelExecution:input_type -> capstan.execution.v1.CancelExecutionRequest
-	2, // 8: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
-	4, // 9: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
-	6, // 10: capstan.execution.v1.ExecutionService.CancelExecution:output_type -> capstan.execution.v1.CancelExecutionResponse
-	8, // [8:11] is the sub-list for method output_type
-	5, // [5:8] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	9,  // 0: capstan.execution.v1.WatchExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	0,  // 1: capstan.execution.v1.InvokeCapabilityResponse.acceptance:type_name -> capstan.execution.v1.InvokeAcceptance
+	10, // 2: capstan.execution.v1.InvokeCapabilityResponse.status:type_name -> capstan.execution.v1.ExecutionStatus
+	9,  // 3: capstan.execution.v1.InvokeCapabilityResponse.execution:type_name -> capstan.execution.v1.Execution
+	9,  // 4: capstan.execution.v1.GetExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	9,  // 5: capstan.execution.v1.CancelExecutionResponse.execution:type_name -> capstan.execution.v1.Execution
+	3,  // 6: capstan.execution.v1.ExecutionService.InvokeCapability:input_type -> capstan.execution.v1.InvokeCapabilityRequest
+	5,  // 7: capstan.execution.v1.ExecutionService.GetExecution:input_type -> capstan.execution.v1.GetExecutionRequest
+	7,  // 8: capstan.execution.v1.ExecutionService.CancelExecution:input_type -> capstan.execution.v1.CancelExecutionRequest
+	1,  // 9: capstan.execution.v1.ExecutionService.WatchExecution:input_type -> capstan.execution.v1.WatchExecutionRequest
+	4,  // 10: capstan.execution.v1.ExecutionService.InvokeCapability:output_type -> capstan.execution.v1.InvokeCapabilityResponse
+	6,  // 11: capstan.execution.v1.ExecutionService.GetExecution:output_type -> capstan.execution.v1.GetExecutionResponse
+	8,  // 12: capstan.execution.v1.ExecutionService.CancelExecution:output_type -> capstan.execution.v1.CancelExecutionResponse
+	2,  // 13: capstan.execution.v1.ExecutionService.WatchExecution:output_type -> capstan.execution.v1.WatchExecutionResponse
+	10, // [10:14] is the sub-list for method output_type
+	6,  // [6:10] is the sub-list for method input_type
+	6,  // [6:6] is the sub-list for extension type_name
+	6,  // [6:6] is the sub-list for extension extendee
+	0,  // [0:6] is the sub-list for field type_name
 }
 
 func init() { file_capstan_execution_v1_execution_service_proto_init() }
@@ -506,7 +607,7 @@ func file_capstan_execution_v1_execution_service_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_capstan_execution_v1_execution_service_proto_rawDesc), len(file_capstan_execution_v1_execution_service_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   6,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

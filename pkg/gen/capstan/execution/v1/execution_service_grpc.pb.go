@@ -22,6 +22,7 @@ const (
 	ExecutionService_InvokeCapability_FullMethodName = "/capstan.execution.v1.ExecutionService/InvokeCapability"
 	ExecutionService_GetExecution_FullMethodName     = "/capstan.execution.v1.ExecutionService/GetExecution"
 	ExecutionService_CancelExecution_FullMethodName  = "/capstan.execution.v1.ExecutionService/CancelExecution"
+	ExecutionService_WatchExecution_FullMethodName   = "/capstan.execution.v1.ExecutionService/WatchExecution"
 )
 
 // ExecutionServiceClient is the client API for ExecutionService service.
@@ -64,6 +65,11 @@ type ExecutionServiceClient interface {
 	// FAILED_PRECONDITION (the execution already settled with another status;
 	// the message names it); UNAUTHENTICATED; UNAVAILABLE.
 	CancelExecution(ctx context.Context, in *CancelExecutionRequest, opts ...grpc.CallOption) (*CancelExecutionResponse, error)
+	// WatchExecution streams the execution: once at once, then on every change
+	// of status or progress, and ends after a terminal status.
+	//
+	// Codes: as GetExecution; the stream also ends with the caller's deadline.
+	WatchExecution(ctx context.Context, in *WatchExecutionRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchExecutionResponse], error)
 }
 
 type executionServiceClient struct {
@@ -103,6 +109,25 @@ func (c *executionServiceClient) CancelExecution(ctx context.Context, in *Cancel
 	}
 	return out, nil
 }
+
+func (c *executionServiceClient) WatchExecution(ctx context.Context, in *WatchExecutionRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchExecutionResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &ExecutionService_ServiceDesc.Streams[0], ExecutionService_WatchExecution_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchExecutionRequest, WatchExecutionResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExecutionService_WatchExecutionClient = grpc.ServerStreamingClient[WatchExecutionResponse]
 
 // ExecutionServiceServer is the server API for ExecutionService service.
 // All implementations must embed UnimplementedExecutionServiceServer
@@ -144,6 +169,11 @@ type ExecutionServiceServer interface {
 	// FAILED_PRECONDITION (the execution already settled with another status;
 	// the message names it); UNAUTHENTICATED; UNAVAILABLE.
 	CancelExecution(context.Context, *CancelExecutionRequest) (*CancelExecutionResponse, error)
+	// WatchExecution streams the execution: once at once, then on every change
+	// of status or progress, and ends after a terminal status.
+	//
+	// Codes: as GetExecution; the stream also ends with the caller's deadline.
+	WatchExecution(*WatchExecutionRequest, grpc.ServerStreamingServer[WatchExecutionResponse]) error
 	mustEmbedUnimplementedExecutionServiceServer()
 }
 
@@ -162,6 +192,9 @@ func (UnimplementedExecutionServiceServer) GetExecution(context.Context, *GetExe
 }
 func (UnimplementedExecutionServiceServer) CancelExecution(context.Context, *CancelExecutionRequest) (*CancelExecutionResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method CancelExecution not implemented")
+}
+func (UnimplementedExecutionServiceServer) WatchExecution(*WatchExecutionRequest, grpc.ServerStreamingServer[WatchExecutionResponse]) error {
+	return status.Errorf(codes.Unimplemented, "method WatchExecution not implemented")
 }
 func (UnimplementedExecutionServiceServer) mustEmbedUnimplementedExecutionServiceServer() {}
 func (UnimplementedExecutionServiceServer) testEmbeddedByValue()                          {}
@@ -238,6 +271,17 @@ func _ExecutionService_CancelExecution_Handler(srv interface{}, ctx context.Cont
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ExecutionService_WatchExecution_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchExecutionRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(ExecutionServiceServer).WatchExecution(m, &grpc.GenericServerStream[WatchExecutionRequest, WatchExecutionResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type ExecutionService_WatchExecutionServer = grpc.ServerStreamingServer[WatchExecutionResponse]
+
 // ExecutionService_ServiceDesc is the grpc.ServiceDesc for ExecutionService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -258,6 +302,12 @@ var ExecutionService_ServiceDesc = grpc.ServiceDesc{
 			Handler:    _ExecutionService_CancelExecution_Handler,
 		},
 	},
-	Streams:  []grpc.StreamDesc{},
+	Streams: []grpc.StreamDesc{
+		{
+			StreamName:    "WatchExecution",
+			Handler:       _ExecutionService_WatchExecution_Handler,
+			ServerStreams: true,
+		},
+	},
 	Metadata: "capstan/execution/v1/execution_service.proto",
 }
