@@ -4,6 +4,13 @@
 // registers a demo application, then starts the four daemons and the
 // csv-payments example processes as separate OS processes with their logs in
 // a run folder, and stops everything cleanly on exit or Ctrl-C.
+//
+// The demo mode picks how Capstan reaches the example provider: "direct"
+// calls its AdapterService; "webhook" and "kafka" make payments.send a
+// release whose step is an await on that transport (SYSTEM §6), so every
+// attempt parks WAITING_EXTERNAL until the provider completes it — a signed
+// POST back to the gateway's completion endpoint, or a record on the
+// response topic.
 package devstack
 
 import (
@@ -23,9 +30,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/kafkatest"
 	"github.com/capstan-dev/capstan/internal/pgcluster"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/pkg/adapter"
 )
 
 // Options configure a dev stack run.
@@ -38,7 +47,8 @@ type Options struct {
 	// DemoInput, when set, runs the csv-payments app on this CSV and stops
 	// the stack when it finishes. Empty: run until ctx ends.
 	DemoInput string
-	// DemoMode is the provider mode; only "direct" exists in this version.
+	// DemoMode is how Capstan reaches the provider: ModeDirect (default),
+	// ModeWebhook or ModeKafka.
 	DemoMode string
 	// DatabaseURL, when set, is used instead of a throwaway cluster.
 	DatabaseURL string
@@ -49,19 +59,45 @@ type Options struct {
 	Logger *slog.Logger
 }
 
-// ErrDemoFailed is returned when the demo application exits non-zero.
-var ErrDemoFailed = errors.New("demo application failed")
+// Demo modes (Options.DemoMode).
+const (
+	// ModeDirect: the consumer calls the provider's AdapterService.
+	ModeDirect = "direct"
+	// ModeWebhook: an await step on the webhook transport; the provider
+	// receives signed POSTs and POSTs completions to the gateway.
+	ModeWebhook = "webhook"
+	// ModeKafka: an await step on the kafka transport; requests and
+	// completions travel on RequestTopic and ResponseTopic.
+	ModeKafka = "kafka"
+)
+
+// The kafka demo mode's topics.
+const (
+	RequestTopic  = "payments.requests"
+	ResponseTopic = "payments.responses"
+)
+
+// awaitTimeout is the demo's interaction deadline (await.timeout).
+const awaitTimeout = 2 * time.Minute
+
+var (
+	// ErrDemoFailed is returned when the demo application exits non-zero.
+	ErrDemoFailed = errors.New("demo application failed")
+	// ErrDemoMode is returned for an unknown Options.DemoMode.
+	ErrDemoMode = errors.New("unknown demo mode")
+)
 
 // Run starts the stack and runs it until the demo finishes or ctx ends.
 func Run(ctx context.Context, o Options) (err error) {
 	if o.RunDir == "" {
 		o.RunDir = "run"
 	}
-	if o.DemoMode == "" {
-		o.DemoMode = "direct"
-	}
-	if o.DemoMode != "direct" {
-		return fmt.Errorf("demo mode %q: only \"direct\" is available in this version", o.DemoMode)
+	switch o.DemoMode {
+	case "":
+		o.DemoMode = ModeDirect
+	case ModeDirect, ModeWebhook, ModeKafka:
+	default:
+		return fmt.Errorf("%w %q: want %s, %s or %s", ErrDemoMode, o.DemoMode, ModeDirect, ModeWebhook, ModeKafka)
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -109,11 +145,13 @@ func Run(ctx context.Context, o Options) (err error) {
 		return err
 	}
 
+	topics := map[string]int32{executionTopic: executionPartitions}
+	if o.DemoMode == ModeKafka {
+		topics[RequestTopic], topics[ResponseTopic] = executionPartitions, executionPartitions
+	}
 	brokers := o.KafkaBrokers
 	if len(brokers) == 0 {
-		kc, err := kafkatest.Start(ctx, kafkatest.Options{
-			Topics: map[string]int32{executionTopic: executionPartitions}, Logger: o.Logger,
-		})
+		kc, err := kafkatest.Start(ctx, kafkatest.Options{Topics: topics, Logger: o.Logger})
 		if err != nil {
 			return fmt.Errorf("embedded Kafka: %w", err)
 		}
@@ -122,16 +160,23 @@ func Run(ctx context.Context, o Options) (err error) {
 		fmt.Fprintf(o.Out, "Kafka: embedded kfake at %s\n", strings.Join(brokers, ","))
 	} else {
 		fmt.Fprintf(o.Out, "Kafka: KAFKA_BROKERS %s\n", strings.Join(brokers, ","))
+		if err := ensureTopics(ctx, brokers, topics, o.Logger); err != nil {
+			return err
+		}
 	}
 
-	ports, err := freePorts(8)
+	ports, err := freePorts(11)
 	if err != nil {
 		return err
 	}
 	s := stack{
 		gateway: ports[0], gatewayAdmin: ports[1], dispatcher: ports[2], dispatcherAdmin: ports[3],
 		consumerAdmin: ports[4], routerAdmin: ports[5], provider: ports[6], app: ports[7],
-		dbURL: dbURL, brokers: brokers,
+		gatewayHTTP: ports[8], providerHTTP: ports[9], providerAdmin: ports[10],
+		dbURL: dbURL, brokers: brokers, mode: o.DemoMode,
+	}
+	if s.mode != ModeDirect {
+		s.awaitSecret, s.callbackSecret = "whsec_"+randomB64(32), randomB64(32)
 	}
 	cfgPath := filepath.Join(runDir, "capstan.yaml")
 	if err := os.WriteFile(cfgPath, []byte(s.config()), 0o600); err != nil {
@@ -169,7 +214,8 @@ func Run(ctx context.Context, o Options) (err error) {
 		return nil
 	}
 	cfgArgs := []string{"--config", cfgPath}
-	if err := start("provider", "csv-payments-provider", []string{"--listen", fmt.Sprintf("127.0.0.1:%d", s.provider)}, nil); err != nil {
+	providerArgs, providerEnv := s.providerArgs()
+	if err := start("provider", "csv-payments-provider", providerArgs, providerEnv); err != nil {
 		return err
 	}
 	for _, d := range []string{"gateway", "dispatcher", "consumer", "router"} {
@@ -177,12 +223,19 @@ func Run(ctx context.Context, o Options) (err error) {
 			return err
 		}
 	}
-	for _, port := range []int{s.gatewayAdmin, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin} {
-		if err := waitReady(ctx, fmt.Sprintf("http://127.0.0.1:%d/readyz", port), 60*time.Second, procs); err != nil {
+	for _, url := range []string{
+		fmt.Sprintf("http://127.0.0.1:%d/stats", s.providerAdmin),
+		fmt.Sprintf("http://127.0.0.1:%d/readyz", s.gatewayAdmin),
+		fmt.Sprintf("http://127.0.0.1:%d/readyz", s.dispatcherAdmin),
+		fmt.Sprintf("http://127.0.0.1:%d/readyz", s.consumerAdmin),
+		fmt.Sprintf("http://127.0.0.1:%d/readyz", s.routerAdmin),
+	} {
+		if err := waitReady(ctx, url, 60*time.Second, procs); err != nil {
 			return err
 		}
 	}
 	fmt.Fprintf(o.Out, "daemons ready: gateway 127.0.0.1:%d (gRPC, reflection on), logs in %s\n", s.gateway, runDir)
+	fmt.Fprintf(o.Out, "demo mode %s: %s\n", s.mode, s.describeMode())
 
 	appEnv := []string{
 		fmt.Sprintf("CAPSTAN_GATEWAY=127.0.0.1:%d", s.gateway),
@@ -221,15 +274,86 @@ const (
 
 type stack struct {
 	gateway, gatewayAdmin, dispatcher, dispatcherAdmin, consumerAdmin, routerAdmin, provider, app int
-	dbURL                                                                                         string
-	brokers                                                                                       []string
+	// gatewayHTTP serves the webhook transport's completions; providerHTTP
+	// the provider's POST /requests; providerAdmin its GET /stats.
+	gatewayHTTP, providerHTTP, providerAdmin int
+	dbURL                                    string
+	brokers                                  []string
+	mode                                     string
+	// awaitSecret (whsec_…) is shared by Capstan and the provider in
+	// webhook mode; callbackSecret signs resume tokens (await modes).
+	awaitSecret, callbackSecret string
+}
+
+// providerArgs returns the provider's flags and environment for the mode.
+// The webhook secret goes through the environment, not the command line.
+func (s stack) providerArgs() (args, env []string) {
+	args = []string{"--mode", s.mode, "--admin-listen", fmt.Sprintf("127.0.0.1:%d", s.providerAdmin)}
+	switch s.mode {
+	case ModeWebhook:
+		args = append(args, "--http-listen", fmt.Sprintf("127.0.0.1:%d", s.providerHTTP))
+		env = append(env, "PROVIDER_WEBHOOK_SECRET="+s.awaitSecret)
+	case ModeKafka:
+		args = append(args, "--kafka-brokers", strings.Join(s.brokers, ","), "--request-topic", RequestTopic,
+			"--response-topic", ResponseTopic, "--kafka-group", "csv-payments-provider")
+	default:
+		args = append(args, "--listen", fmt.Sprintf("127.0.0.1:%d", s.provider))
+	}
+	return args, env
+}
+
+// describeMode says in one line how Capstan reaches the provider.
+func (s stack) describeMode() string {
+	switch s.mode {
+	case ModeWebhook:
+		return fmt.Sprintf("await step, signed POSTs to 127.0.0.1:%d/requests, completions to 127.0.0.1:%d%s",
+			s.providerHTTP, s.gatewayHTTP, adapter.CompletionPath)
+	case ModeKafka:
+		return fmt.Sprintf("await step, requests on %s, completions on %s", RequestTopic, ResponseTopic)
+	}
+	return fmt.Sprintf("AdapterService calls to 127.0.0.1:%d", s.provider)
+}
+
+// awaitConfig renders the mode's await step of payments.send (empty in
+// direct mode).
+func (s stack) awaitConfig() string {
+	switch s.mode {
+	case ModeWebhook:
+		return fmt.Sprintf(`    await:
+      transport: webhook
+      url: http://127.0.0.1:%d/requests
+      secret: %q
+      timeout: %s
+`, s.providerHTTP, s.awaitSecret, awaitTimeout)
+	case ModeKafka:
+		return fmt.Sprintf(`    await:
+      transport: kafka
+      request_topic: %s
+      response_topic: %s
+      timeout: %s
+`, RequestTopic, ResponseTopic, awaitTimeout)
+	}
+	return ""
+}
+
+// gatewayAwaitConfig renders the gateway's completion endpoint and the
+// callback secret of the await modes (empty in direct mode). Both modes
+// need them: the kafka transport's resume tokens are signed too, and the
+// endpoint must not take the default :7239 on every interface.
+func (s stack) gatewayAwaitConfig() (gateway, top string) {
+	if s.mode == ModeDirect {
+		return "", ""
+	}
+	return fmt.Sprintf("  http_listen: 127.0.0.1:%d\n  public_url: http://127.0.0.1:%d\n", s.gatewayHTTP, s.gatewayHTTP),
+		fmt.Sprintf("callback_secret: %q\n", s.callbackSecret)
 }
 
 // config renders the daemons' configuration with time compressed for the
 // demo: retries after 200 ms … 5 s instead of 1 min … 6 h.
 func (s stack) config() string {
-	return fmt.Sprintf(`# Written by capstanctl dev for one run; time is compressed for the demo.
-database:
+	gw, top := s.gatewayAwaitConfig()
+	return fmt.Sprintf(`# Written by capstanctl dev for one run (demo mode %s); time is compressed for the demo.
+%sdatabase:
   url: %q
 kafka:
   brokers: [%s]
@@ -239,7 +363,7 @@ gateway:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
   dispatcher_addr: 127.0.0.1:%d
-dispatcher:
+%sdispatcher:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
   pass_interval: 200ms
@@ -264,8 +388,24 @@ capabilities:
     attempt_timeout: 5s
     lease_duration: 10s
     async_budget: 10m
-`, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
-		s.gateway, s.gatewayAdmin, s.dispatcher, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider)
+%s`, s.mode, top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
+		s.gateway, s.gatewayAdmin, s.dispatcher, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider,
+		s.awaitConfig())
+}
+
+// ensureTopics creates the topics on an external Kafka unless they exist.
+func ensureTopics(ctx context.Context, brokers []string, topics map[string]int32, logger *slog.Logger) error {
+	cl, err := kafka.NewClient(brokers, logger)
+	if err != nil {
+		return err
+	}
+	defer cl.Close()
+	for t, n := range topics {
+		if err := kafka.EnsureTopic(ctx, cl, t, n); err != nil {
+			return fmt.Errorf("kafka: %w", err)
+		}
+	}
+	return nil
 }
 
 func createDatabase(ctx context.Context, adminURL, name string) error {

@@ -5,12 +5,15 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"flag"
 	"fmt"
 	"log/slog"
 	"net"
 	"net/http"
 	"os"
 	"path/filepath"
+	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -20,6 +23,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
+	"github.com/capstan-dev/capstan/internal/kafkatest"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 )
 
@@ -27,51 +31,121 @@ func TestMain(m *testing.M) {
 	goleak.VerifyTestMain(m)
 }
 
+// defaultConfig is parseConfig's result without flags or environment.
+var defaultConfig = config{Mode: modeDirect, Listen: "127.0.0.1:7070", HTTPListen: "127.0.0.1:7071",
+	RequestTopic: "payments.requests", ResponseTopic: "payments.responses", KafkaGroup: "csv-payments-provider",
+	LatencyMin: 5 * time.Millisecond, LatencyMax: 30 * time.Millisecond, RetryableFraction: 0.1, Seed: 1, LogLevel: slog.LevelInfo}
+
+const testSecret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw" // base64 of 24 bytes
+
 func TestParseConfig(t *testing.T) {
 	t.Parallel()
-	noEnv := func(string) string { return "" }
-	cfg, err := parseConfig(nil, noEnv, &bytes.Buffer{})
-	if err != nil {
-		t.Fatal(err)
+	with := func(f func(*config)) config {
+		c := defaultConfig
+		f(&c)
+		return c
 	}
-	want := config{Listen: "127.0.0.1:7070", LatencyMin: 5 * time.Millisecond, LatencyMax: 30 * time.Millisecond, RetryableFraction: 0.1, Seed: 1, LogLevel: slog.LevelInfo}
-	if cfg != want {
-		t.Errorf("defaults = %+v, want %+v", cfg, want)
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want config
+	}{
+		{name: "defaults", want: defaultConfig},
+		{
+			name: "env and flags, flags win",
+			args: []string{"--seed", "9", "--listen=127.0.0.1:1"},
+			env: map[string]string{
+				"PROVIDER_LISTEN": "127.0.0.1:9999", "PROVIDER_ADMIN_LISTEN": "127.0.0.1:9998",
+				"PROVIDER_LATENCY_MIN": "1ms", "PROVIDER_LATENCY_MAX": "2ms",
+				"PROVIDER_RETRYABLE_FRACTION": "0.25", "PROVIDER_SEED": "7", "PROVIDER_LOG_LEVEL": "debug",
+			},
+			want: with(func(c *config) {
+				c.Listen, c.AdminListen, c.LatencyMin, c.LatencyMax = "127.0.0.1:1", "127.0.0.1:9998", time.Millisecond, 2*time.Millisecond
+				c.RetryableFraction, c.Seed, c.LogLevel = 0.25, 9, slog.LevelDebug
+			}),
+		},
+		{
+			name: "webhook mode from the environment",
+			env: map[string]string{"PROVIDER_MODE": "webhook", "PROVIDER_HTTP_LISTEN": "127.0.0.1:0",
+				"PROVIDER_WEBHOOK_SECRET": testSecret, "PROVIDER_DUPLICATE_COMPLETIONS": "true"},
+			want: with(func(c *config) {
+				c.Mode, c.HTTPListen, c.WebhookSecret, c.DuplicateCompletions = modeWebhook, "127.0.0.1:0", testSecret, true
+			}),
+		},
+		{
+			name: "kafka mode from flags",
+			args: []string{"--mode", "kafka", "--kafka-brokers", "127.0.0.1:1, 127.0.0.1:2", "--request-topic", "rq",
+				"--response-topic", "rs", "--kafka-group", "g", "--duplicate-completions"},
+			env: map[string]string{"PROVIDER_KAFKA_BROKERS": "127.0.0.1:3"},
+			want: with(func(c *config) {
+				c.Mode, c.KafkaBrokers, c.RequestTopic, c.ResponseTopic, c.KafkaGroup = modeKafka, "127.0.0.1:1, 127.0.0.1:2", "rq", "rs", "g"
+				c.DuplicateCompletions = true
+			}),
+		},
+		{
+			name: "kafka mode from the environment",
+			env:  map[string]string{"PROVIDER_MODE": "kafka", "PROVIDER_KAFKA_BROKERS": "127.0.0.1:3"},
+			want: with(func(c *config) { c.Mode, c.KafkaBrokers = modeKafka, "127.0.0.1:3" }),
+		},
 	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			cfg, err := parseConfig(tt.args, func(k string) string { return tt.env[k] }, &bytes.Buffer{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if cfg != tt.want {
+				t.Errorf("config = %+v, want %+v", cfg, tt.want)
+			}
+		})
+	}
+}
 
-	env := map[string]string{
-		"PROVIDER_LISTEN": "127.0.0.1:9999", "PROVIDER_ADMIN_LISTEN": "127.0.0.1:9998",
-		"PROVIDER_LATENCY_MIN": "1ms", "PROVIDER_LATENCY_MAX": "2ms",
-		"PROVIDER_RETRYABLE_FRACTION": "0.25", "PROVIDER_SEED": "7", "PROVIDER_LOG_LEVEL": "debug",
+func TestParseConfigRejects(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+	}{
+		{name: "latency range", args: []string{"--latency-min", "50ms", "--latency-max", "10ms"}},
+		{name: "fraction above 1", args: []string{"--retryable-fraction", "1.5"}},
+		{name: "fraction NaN", args: []string{"--retryable-fraction", "NaN"}},
+		{name: "negative seed", args: []string{"--seed", "-1"}},
+		{name: "unknown flag", args: []string{"--nope"}},
+		{name: "extra argument", args: []string{"extra"}},
+		{name: "bad env", env: map[string]string{"PROVIDER_LATENCY_MAX": "soon"}},
+		{name: "unknown mode", args: []string{"--mode", "carrier-pigeon"}},
+		{name: "empty listen", args: []string{"--listen", ""}},
+		{name: "webhook without secret", args: []string{"--mode", "webhook"}},
+		{name: "webhook secret without prefix", args: []string{"--mode", "webhook", "--webhook-secret", "c2VjcmV0"}},
+		{name: "webhook secret not base64", args: []string{"--mode", "webhook", "--webhook-secret", "whsec_!!!"}},
+		{name: "webhook without listen", args: []string{"--mode", "webhook", "--webhook-secret", testSecret, "--http-listen", ""}},
+		{name: "kafka without brokers", args: []string{"--mode", "kafka", "--kafka-brokers", " , "}},
+		{name: "kafka same topics", args: []string{"--mode", "kafka", "--kafka-brokers", "b:1", "--response-topic", "payments.requests"}},
+		{name: "kafka without group", args: []string{"--mode", "kafka", "--kafka-brokers", "b:1", "--kafka-group", ""}},
+		{name: "bad duplicate flag", env: map[string]string{"PROVIDER_DUPLICATE_COMPLETIONS": "twice"}},
 	}
-	cfg, err = parseConfig([]string{"--seed", "9", "--listen=127.0.0.1:1"}, func(k string) string { return env[k] }, &bytes.Buffer{})
-	if err != nil {
-		t.Fatal(err)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			if _, err := parseConfig(tt.args, func(k string) string { return tt.env[k] }, &bytes.Buffer{}); !errors.Is(err, errConfig) {
+				t.Errorf("parseConfig(%q, %v) err = %v, want errConfig", tt.args, tt.env, err)
+			}
+		})
 	}
-	want = config{Listen: "127.0.0.1:1", AdminListen: "127.0.0.1:9998", LatencyMin: time.Millisecond, LatencyMax: 2 * time.Millisecond, RetryableFraction: 0.25, Seed: 9, LogLevel: slog.LevelDebug}
-	if cfg != want {
-		t.Errorf("env + flags = %+v, want %+v", cfg, want)
-	}
+}
 
-	for _, args := range [][]string{
-		{"--latency-min", "50ms", "--latency-max", "10ms"},
-		{"--retryable-fraction", "1.5"},
-		{"--retryable-fraction", "NaN"},
-		{"--seed", "-1"},
-		{"--nope"},
-		{"extra"},
-	} {
-		if _, err := parseConfig(args, noEnv, &bytes.Buffer{}); !errors.Is(err, errConfig) {
-			t.Errorf("parseConfig(%q) err = %v", args, err)
-		}
+func TestUsageHidesTestFlags(t *testing.T) {
+	t.Parallel()
+	var out bytes.Buffer
+	if _, err := parseConfig([]string{"--help"}, func(string) string { return "" }, &out); !errors.Is(err, flag.ErrHelp) {
+		t.Fatalf("--help: %v", err)
 	}
-	if _, err := parseConfig(nil, func(k string) string {
-		if k == "PROVIDER_LATENCY_MAX" {
-			return "soon"
-		}
-		return ""
-	}, &bytes.Buffer{}); !errors.Is(err, errConfig) {
-		t.Errorf("bad env: %v", err)
+	if !strings.Contains(out.String(), "--mode") || strings.Contains(out.String(), "duplicate-completions") {
+		t.Errorf("usage lists --mode and hides --duplicate-completions:\n%s", out.String())
 	}
 }
 
@@ -263,23 +337,83 @@ func TestProviderRetryableFailures(t *testing.T) {
 	}
 }
 
+// startWatcher is a log writer that closes started once the provider
+// logged that it listens; it is safe for concurrent use.
+type startWatcher struct {
+	mu      sync.Mutex
+	buf     bytes.Buffer
+	once    sync.Once
+	started chan struct{}
+}
+
+func (w *startWatcher) Write(b []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if bytes.Contains(b, []byte(`"msg":"provider starting"`)) {
+		w.once.Do(func() { close(w.started) })
+	}
+	return w.buf.Write(b)
+}
+
+func (w *startWatcher) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
+}
+
 func TestRunStartsAndStops(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithCancel(t.Context())
-	var logs bytes.Buffer
-	errc := make(chan error, 1)
-	go func() {
-		errc <- run(ctx, []string{"--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"}, func(string) string { return "" }, &logs)
-	}()
-	time.Sleep(100 * time.Millisecond)
-	cancel()
-	if err := <-errc; err != nil {
+	kc, err := kafkatest.Start(t.Context(), kafkatest.Options{Topics: map[string]int32{"payments.requests": 1, "payments.responses": 1}})
+	if err != nil {
 		t.Fatal(err)
 	}
-	if !bytes.Contains(logs.Bytes(), []byte(`"msg":"provider stopped"`)) {
-		t.Errorf("logs lack the stop record: %s", logs.String())
+	t.Cleanup(kc.Close)
+	tests := []struct {
+		name string
+		args []string
+	}{
+		{name: "direct", args: []string{"--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"}},
+		{name: "webhook", args: []string{"--mode", "webhook", "--http-listen", "127.0.0.1:0", "--webhook-secret", testSecret}},
+		{name: "kafka", args: []string{"--mode", "kafka", "--kafka-brokers", kc.Brokers()[0], "--admin-listen", "127.0.0.1:0"}},
 	}
-	if err := run(t.Context(), []string{"--retryable-fraction", "2"}, func(string) string { return "" }, &bytes.Buffer{}); !errors.Is(err, errConfig) {
-		t.Errorf("bad flag: %v", err)
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithCancel(t.Context())
+			logs := &startWatcher{started: make(chan struct{})}
+			errc := make(chan error, 1)
+			go func() { errc <- run(ctx, tt.args, func(string) string { return "" }, logs) }()
+			select {
+			case <-logs.started:
+			case err := <-errc:
+				t.Fatalf("run ended before starting: %v\n%s", err, logs.String())
+			}
+			cancel()
+			if err := <-errc; err != nil {
+				t.Fatal(err)
+			}
+			if !strings.Contains(logs.String(), `"msg":"provider stopped"`) {
+				t.Errorf("logs lack the stop record: %s", logs.String())
+			}
+		})
 	}
+	t.Run("bad flag", func(t *testing.T) {
+		t.Parallel()
+		if err := run(t.Context(), []string{"--retryable-fraction", "2"}, func(string) string { return "" }, &bytes.Buffer{}); !errors.Is(err, errConfig) {
+			t.Errorf("bad flag: %v", err)
+		}
+	})
+	t.Run("port taken", func(t *testing.T) {
+		t.Parallel()
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lis.Close()
+		err = run(t.Context(), []string{"--mode", "webhook", "--http-listen", lis.Addr().String(), "--webhook-secret", testSecret},
+			func(string) string { return "" }, &bytes.Buffer{})
+		if err == nil {
+			t.Error("run served on a port already taken")
+		}
+	})
 }
