@@ -23,7 +23,13 @@ import (
 	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.RunMain(m)) }
+func TestMain(m *testing.M) {
+	code := pgtest.RunMain(m)
+	if binDir != "" {
+		_ = os.RemoveAll(binDir) // ~190 MB of binaries per run
+	}
+	os.Exit(code)
+}
 
 // sharedData is the folder of real sample inputs beside the project.
 func sharedData(t *testing.T, name string) string {
