@@ -71,6 +71,9 @@ type pipeline struct {
 	brokers []string
 	app     pgstore.Application
 	kafka   *kafkatest.Cluster
+	// stopDaemons stops the dispatcher, consumer, reaper and senders, as
+	// if their process died; the store stays usable.
+	stopDaemons func()
 }
 
 // startPipeline runs a dispatcher and a consumer in this process against a
@@ -159,7 +162,8 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 		kc.Close()
 		st.Close()
 	})
-	return &pipeline{store: st, url: url, cfg: cfg, adapter: fa, brokers: kc.Brokers(), app: app, kafka: kc}
+	return &pipeline{store: st, url: url, cfg: cfg, adapter: fa, brokers: kc.Brokers(), app: app, kafka: kc,
+		stopDaemons: func() { cancel(); wg.Wait() }}
 }
 
 func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {

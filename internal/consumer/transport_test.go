@@ -150,3 +150,54 @@ func TestKafkaTransport(t *testing.T) {
 	require.Equal(t, 4, p.count(t, `SELECT count(*) FROM completion_events`))
 	require.Equal(t, 4, p.count(t, `SELECT count(*) FROM interactions WHERE status = 'COMPLETED'`))
 }
+
+// TestCompletionAfterConsumerDied: the consumer parks and sends the
+// interaction, then dies; the partner's completion still reaches the
+// gateway, and the execution settles exactly once without it.
+func TestCompletionAfterConsumerDied(t *testing.T) {
+	t.Parallel()
+	requests := make(chan adapter.InteractionRequest, 10)
+	partner := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		var req adapter.InteractionRequest
+		_ = json.Unmarshal(body, &req)
+		requests <- req
+		w.WriteHeader(http.StatusAccepted)
+	}))
+	defer partner.Close()
+	var handler atomic.Pointer[gateway.CompletionHandler]
+	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { handler.Load().ServeHTTP(w, r) }))
+	defer gw.Close()
+	p := startPipeline(t, noAdapter, withCallbacks, func(c *config.Config) {
+		c.Gateway.PublicURL = gw.URL
+		c.Capabilities[0].Await = &config.AwaitStep{Transport: "webhook", URL: partner.URL, Secret: partnerSecret, Timeout: time.Minute}
+	})
+	handler.Store(gateway.NewCompletionHandler(p.store, p.cfg, slog.New(slog.DiscardHandler)))
+	ids := p.invoke(t, 1)
+	var req adapter.InteractionRequest
+	select {
+	case req = <-requests:
+	case <-time.After(30 * time.Second):
+		t.Fatal("no interaction request reached the partner")
+	}
+	require.Eventually(t, func() bool {
+		return p.count(t, `SELECT count(*) FROM interactions WHERE status = 'DISPATCHED'`) == 1
+	}, 10*time.Second, 10*time.Millisecond)
+	p.stopDaemons() // the consumer dies after dispatching
+
+	body, _ := json.Marshal(adapter.InteractionCompletion{ResumeToken: req.ResumeToken, Result: &adapter.CompletionResult{Output: []byte(`{"late":true}`)}})
+	for range 2 { // the partner retries once more: a duplicate
+		hr, _ := http.NewRequest(http.MethodPost, req.CompletionURL, bytes.NewReader(body))
+		require.NoError(t, adapter.SignWebhook(hr.Header, partnerSecret, uuid.NewString(), time.Now(), body))
+		resp, err := http.DefaultClient.Do(hr)
+		require.NoError(t, err)
+		resp.Body.Close()
+		require.Equal(t, http.StatusOK, resp.StatusCode)
+	}
+	e, err := p.store.ExecutionGet(context.Background(), uuid.Nil, ids[0])
+	require.NoError(t, err)
+	require.Equal(t, execution.StatusSucceeded, e.Status)
+	require.Equal(t, `{"late":true}`, string(e.Output))
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events`))
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM interactions`), "the interaction was never sent twice into two rows")
+}
