@@ -2,7 +2,9 @@ package ctl
 
 import (
 	"bufio"
+	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -74,13 +76,19 @@ type stringList []string
 func (s *stringList) String() string     { return strings.Join(*s, ",") }
 func (s *stringList) Set(v string) error { *s = append(*s, v); return nil }
 
-// printJSON writes m as indented protobuf JSON.
+// printJSON writes m as indented protobuf JSON. protojson deliberately
+// varies its whitespace between builds, so the output is re-indented with
+// encoding/json to keep it stable for people and scripts.
 func printJSON(out io.Writer, m proto.Message) error {
-	b, err := protojson.MarshalOptions{Multiline: true, Indent: "  "}.Marshal(m)
+	b, err := protojson.Marshal(m)
 	if err != nil {
 		return err
 	}
-	_, err = fmt.Fprintln(out, string(b))
+	var buf bytes.Buffer
+	if err := json.Indent(&buf, b, "", "  "); err != nil {
+		return err
+	}
+	_, err = fmt.Fprintln(out, buf.String())
 	return err
 }
 
