@@ -19,12 +19,7 @@ import (
 // Main runs the dispatcher until ctx ends: the pass loop, the Nudge gRPC
 // service on cfg.Dispatcher.Listen and /healthz, /readyz on AdminListen.
 func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
-	if cfg.Database.MigrateOnStart {
-		if _, err := pgstore.Migrate(ctx, cfg.Database.URL, logger); err != nil {
-			return err
-		}
-	}
-	store, err := pgstore.Open(ctx, cfg.Database.URL, logger)
+	store, err := pgstore.OpenForDaemon(ctx, cfg.Database.URL, cfg.Database.MigrateOnStart, logger)
 	if err != nil {
 		return err
 	}

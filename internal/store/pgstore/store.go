@@ -158,3 +158,19 @@ func isUnavailable(err error) bool {
 	}
 	return errors.Is(err, net.ErrClosed) || errors.Is(err, context.DeadlineExceeded)
 }
+
+// OpenForDaemon is how every daemon opens its store: it applies pending
+// migrations first when migrateOnStart is set (under the migration lock, so
+// replicas may race), then opens the pool.
+func OpenForDaemon(ctx context.Context, url string, migrateOnStart bool, logger *slog.Logger) (*Store, error) {
+	if migrateOnStart {
+		v, err := Migrate(ctx, url, logger)
+		if err != nil {
+			return nil, err
+		}
+		if logger != nil {
+			logger.Info("database migrated", "schema_version", v)
+		}
+	}
+	return Open(ctx, url, logger)
+}
