@@ -3,6 +3,7 @@ package adapterclient
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -51,9 +52,11 @@ func Classify(resp *adapterv1.ExecuteResponse, err error) execution.Outcome {
 	case *adapterv1.ExecuteResponse_Failure:
 		return failed(o.Failure.GetClass(), o.Failure.GetMessage(), o.Failure.GetRetryable())
 	case *adapterv1.ExecuteResponse_Accepted:
-		ref := o.Accepted.GetExternalReference()
+		// Bounded like a failure message: at a rune boundary, valid UTF-8,
+		// no NUL, so the park can always store it.
+		ref := execution.Failure{Class: "x", Message: o.Accepted.GetExternalReference()}.Bounded().Message
 		if len(ref) > 256 {
-			ref = ref[:256]
+			ref = strings.ToValidUTF8(ref[:256], "")
 		}
 		return execution.Outcome{Accepted: true, ExternalReference: ref}
 	}

@@ -10,7 +10,9 @@ import (
 	"encoding/base64"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
@@ -91,8 +93,9 @@ func Outcome(c adapter.InteractionCompletion) (execution.Outcome, error) {
 		if ct == "" {
 			ct = "application/json"
 		}
-		if len(ct) > 128 {
-			return execution.Outcome{}, &execution.InvalidArgumentError{Field: "result.content_type", Reason: "at most 128 bytes"}
+		if len(ct) > 128 || !utf8.ValidString(ct) || strings.IndexByte(ct, 0) >= 0 {
+			return execution.Outcome{}, &execution.InvalidArgumentError{Field: "result.content_type",
+				Reason: "at most 128 bytes of UTF-8 without NUL"}
 		}
 		return execution.Outcome{Succeeded: true, Output: c.Result.Output, OutputType: ct}, nil
 	case c.Failure != nil:
@@ -105,9 +108,13 @@ func Outcome(c adapter.InteractionCompletion) (execution.Outcome, error) {
 	return execution.Outcome{}, &execution.InvalidArgumentError{Field: "outcome", Reason: "one of result and failure is required"}
 }
 
-// Permanent reports whether err will not change on a retry (the
-// completion is dropped and counted), as opposed to a database outage.
+// Permanent reports whether err is an answer that will not change on a
+// retry — a refusal, a bad token, a malformed outcome, an unknown
+// interaction — so the completion is dropped and counted. Every other error
+// (the database unreachable, a deadlock, a timeout) is worth retrying.
 func Permanent(err error) bool {
-	return err != nil && !errors.Is(err, execution.ErrUnavailable) && !errors.Is(err, context.Canceled) &&
-		!errors.Is(err, context.DeadlineExceeded)
+	var inv *execution.InvalidArgumentError
+	return errors.Is(err, execution.ErrCompletionRefused) || errors.Is(err, execution.ErrLeaseLost) ||
+		errors.Is(err, execution.ErrPermissionDenied) || errors.Is(err, execution.ErrNotFound) ||
+		errors.Is(err, execution.ErrUnauthenticated) || errors.Is(err, execution.ErrConflict) || errors.As(err, &inv)
 }

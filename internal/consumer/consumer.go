@@ -222,7 +222,7 @@ func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
 		return false // shutting down: leave the record to be redelivered
 	case err != nil:
 		c.stats.skipped.Add(1)
-		log.Error("attempt could not start; dispatch skipped", "error", err)
+		log.Error("attempt refused; dispatch skipped", "error", err)
 		return true
 	}
 	c.stats.started.Add(1)
@@ -371,6 +371,9 @@ func (c *Consumer) retry(ctx context.Context, log *slog.Logger, e execution.Exec
 		log.Info("retry not scheduled: the attempt was superseded or settled meanwhile")
 	case err != nil:
 		log.Warn("retry not written before shutdown; the lease will expire", "error", err)
+	case res.Released:
+		c.stats.succeeded.Add(1)
+		log.Info("a completion recorded before the park settled the attempt instead of a retry", "status", res.Execution.Status)
 	case res.Decision == execution.RetrySchedule:
 		c.stats.retried.Add(1)
 		log.Debug("retry scheduled", "class", f.Class, "due_at", res.DueAt)
@@ -421,16 +424,30 @@ func (c *Consumer) park(ctx context.Context, log *slog.Logger, e execution.Execu
 	}
 }
 
-// retryStore runs fn until it succeeds, fails with a non-transient error,
-// or ctx ends; database unavailability is ridden out with backoff.
+// final reports whether a store error is an answer (the guard lost, the
+// row is gone, the input is refused) rather than a failure to get one.
+func final(err error) bool {
+	var inv *execution.InvalidArgumentError
+	return errors.Is(err, execution.ErrConflict) || errors.Is(err, execution.ErrLeaseLost) ||
+		errors.Is(err, execution.ErrNotFound) || errors.Is(err, execution.ErrCompletionRefused) ||
+		errors.Is(err, execution.ErrPermissionDenied) || errors.As(err, &inv)
+}
+
+// retryStore runs fn until it succeeds, fails with a final error, or ctx
+// ends. Every other error — the database unreachable, but also a deadlock,
+// a statement timeout or a full disk — is retried with backoff: giving up
+// would drop a dispatch whose record is already deleted.
 func retryStore(ctx context.Context, log *slog.Logger, fn func() error) error {
 	wait := 100 * time.Millisecond
 	for {
 		err := fn()
-		if err == nil || !errors.Is(err, execution.ErrUnavailable) {
+		if err == nil || final(err) {
 			return err
 		}
-		log.Warn("database unavailable; retrying", "error", err, "retry_in", wait)
+		if ctx.Err() != nil {
+			return err
+		}
+		log.Warn("store write failed; retrying", "error", err, "retry_in", wait)
 		t := time.NewTimer(wait)
 		select {
 		case <-ctx.Done():

@@ -42,9 +42,12 @@ func NewInteractionSender(store *pgstore.Store, cfg *config.Config, signer *toke
 
 // Sender timing.
 const (
-	senderPoll     = 100 * time.Millisecond
-	senderBatch    = 100
-	senderClaimFor = 30 * time.Second
+	senderPoll  = 100 * time.Millisecond
+	senderBatch = 10
+	// senderClaimFor outlasts a batch sent one by one at the HTTP timeout
+	// (10 × 10 s), so no interaction is sent after its claim passed to
+	// another sender.
+	senderClaimFor = 2 * time.Minute
 	maxSendBackoff = 30 * time.Second
 )
 

@@ -12,6 +12,10 @@ import (
 // reapBatch is the most expired leases or budgets handled per sweep.
 const reapBatch = 200
 
+// RepairAfter is how long a QUEUED or RETRY_SCHEDULED execution without a
+// dispatch record waits before the reaper re-creates one.
+const RepairAfter = 2 * time.Minute
+
 // Reap runs the lease and budget sweeps every interval until ctx ends.
 // Several replicas may reap at once: every write is fenced, so a lease that
 // was renewed, completed or re-claimed after it was read is left alone.
@@ -55,21 +59,27 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 				Message: "the attempt's lease expired before it finished"},
 			Policy:         policy,
 			AttemptOutcome: "LEASE_EXPIRED",
+			RequireExpired: true,
 		})
 		switch {
 		case errors.Is(err, execution.ErrLeaseLost), errors.Is(err, execution.ErrConflict):
 			// Renewed, settled or re-claimed since it was read: nothing to do.
 		case err != nil:
-			return err
+			c.logger.Warn("reaping an expired lease failed; next sweep retries", "execution_id", l.ExecutionID, "error", err)
 		default:
 			c.stats.reaped.Add(1)
 			c.logger.Info("expired lease reaped", "execution_id", l.ExecutionID, "attempt", l.Attempt)
 		}
 	}
 	if n, err := c.store.AwaitSweepDeadlines(ctx, reapBatch); err != nil {
-		return err
+		c.logger.Warn("interaction deadline sweep failed; next sweep retries", "error", err)
 	} else if n > 0 {
 		c.logger.Info("interactions timed out", "count", n)
+	}
+	if n, err := c.store.DispatchRepair(ctx, RepairAfter); err != nil {
+		c.logger.Warn("dispatch repair failed; next sweep retries", "error", err)
+	} else if n > 0 {
+		c.logger.Warn("re-created lost dispatch records", "count", n)
 	}
 	budgets, err := c.store.BudgetExpiredList(ctx, reapBatch)
 	if err != nil {
@@ -89,7 +99,7 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 		switch {
 		case errors.Is(err, execution.ErrConflict):
 		case err != nil:
-			return err
+			c.logger.Warn("settling a passed budget failed; next sweep retries", "execution_id", b.ExecutionID, "error", err)
 		default:
 			c.stats.budgetTimeouts.Add(1)
 			c.logger.Info("async budget passed", "execution_id", b.ExecutionID)

@@ -153,17 +153,26 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		}
 		krecs = append(krecs, &kgo.Record{Topic: d.topic, Key: []byte(r.ExecutionID.String()), Value: v})
 	}
+	idOf := make(map[*kgo.Record]uuid.UUID, len(recs))
+	for i, kr := range krecs {
+		idOf[kr] = recs[i].ID
+	}
+	// ProduceSync returns results in completion order, not send order: map
+	// each result back through its record, so only what was published is
+	// deleted.
 	results := d.client.ProduceSync(ctx, krecs...)
 	published := make([]uuid.UUID, 0, len(recs))
 	var firstErr error
-	for i, res := range results {
+	for _, res := range results {
 		if res.Err != nil {
 			if firstErr == nil {
 				firstErr = res.Err
 			}
 			continue
 		}
-		published = append(published, recs[i].ID)
+		if id, ok := idOf[res.Record]; ok {
+			published = append(published, id)
+		}
 	}
 	if len(published) > 0 {
 		// Delete under a detached context: the records are on the topic,

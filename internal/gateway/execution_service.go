@@ -125,7 +125,9 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 	if created {
 		acceptance = executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_ACCEPTED
 		if policy.Mode == execution.ModeSync {
-			e = s.executeSync(ctx, e, capb.Adapter, policy)
+			if e, err = s.executeSync(ctx, e, capb.Adapter, policy); err != nil {
+				return nil, err
+			}
 		} else {
 			s.nudge()
 		}

@@ -3,6 +3,7 @@ package gateway
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -21,7 +22,7 @@ import (
 // settlement loses (the execution was cancelled meanwhile) or cannot be
 // written, it returns the execution as stored; an unwritten settlement is
 // finished by the reaper when the lease expires.
-func (s *ExecutionService) executeSync(ctx context.Context, e execution.Execution, adapter string, policy execution.Policy) execution.Execution {
+func (s *ExecutionService) executeSync(ctx context.Context, e execution.Execution, adapter string, policy execution.Policy) (execution.Execution, error) {
 	callCtx, cancel := context.WithTimeout(ctx, policy.AttemptTimeout)
 	defer cancel()
 	deadline, _ := callCtx.Deadline()
@@ -31,6 +32,10 @@ func (s *ExecutionService) executeSync(ctx context.Context, e execution.Executio
 		Deadline: timestamppb.New(deadline),
 	})
 	out := adapterclient.Classify(resp, err)
+	if out.Accepted {
+		out = execution.Outcome{Failure: execution.Failure{Class: execution.ClassAdapterProtocol,
+			Message: "the adapter answered accepted to a SYNC release, which cannot complete later"}}
+	}
 	p := pgstore.SettleParams{ExecutionID: e.ID, Fence: pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}}
 	if out.Succeeded {
 		p.Status, p.Output, p.OutputType, p.AttemptOutcome = execution.StatusSucceeded, out.Output, out.OutputType, "SUCCEEDED"
@@ -43,15 +48,15 @@ func (s *ExecutionService) executeSync(ctx context.Context, e execution.Executio
 	defer scancel()
 	settled, err := s.store.ExecutionSettle(sctx, p)
 	if err == nil {
-		return settled
+		return settled, nil
 	}
 	if !errors.Is(err, execution.ErrConflict) {
+		// The caller learns the outcome is not recorded (UNAVAILABLE) and
+		// may retry with its idempotency key; the reaper settles the
+		// execution FAILED / lease.expired after the lease.
 		s.logger.Warn("sync settlement not written; the reaper settles it after the lease", "execution_id", e.ID, "error", err)
-	} else {
-		s.logger.Info("sync settlement lost: the execution moved on meanwhile", "execution_id", e.ID)
+		return e, fmt.Errorf("%w: the outcome of execution %s could not be recorded: %w", execution.ErrUnavailable, e.ID, err)
 	}
-	if cur, gerr := s.store.ExecutionGet(sctx, e.ApplicationID, e.ID); gerr == nil {
-		return cur
-	}
-	return e
+	s.logger.Info("sync settlement lost: the execution moved on meanwhile", "execution_id", e.ID)
+	return s.store.ExecutionGet(sctx, e.ApplicationID, e.ID)
 }

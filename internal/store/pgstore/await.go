@@ -235,8 +235,30 @@ func applyCompletionTx(ctx context.Context, tx pgx.Tx, id uuid.UUID, l lockedExe
 			Failure: &f, AttemptOutcome: "FAILED", AttemptFailure: &f})
 	}
 	res, err := retryTx(ctx, tx, RetryParams{ExecutionID: id, Fence: Fence{Attempt: l.attempt, LeaseToken: l.leaseToken},
-		Failure: o.Failure, Policy: policy})
+		Failure: o.Failure, Policy: policy, skipHeld: true})
 	return res.Execution, err
+}
+
+// heldCompletionTx returns the completion recorded for attempt `attempt`
+// before its park (COMPLETED or FAILED interaction of one of its units), or
+// nil. The caller holds the execution's row lock.
+func heldCompletionTx(ctx context.Context, tx pgx.Tx, executionID uuid.UUID, attempt int) (*execution.Outcome, error) {
+	var id uuid.UUID
+	err := tx.QueryRow(ctx, `
+SELECT i.id FROM interactions i JOIN await_units u ON u.id = i.await_unit_id
+ WHERE u.execution_id = $1 AND u.attempt = $2 AND i.status IN ('COMPLETED', 'FAILED')
+ ORDER BY i.completed_at LIMIT 1`, executionID, attempt).Scan(&id)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return nil, nil
+	}
+	if err != nil {
+		return nil, fmt.Errorf("find held completion: %w", err)
+	}
+	i, err := lockInteractionTx(ctx, tx, id)
+	if err != nil {
+		return nil, err
+	}
+	return &i.outcome, nil
 }
 
 // ParkParams parks a running attempt on its await unit.
@@ -559,7 +581,11 @@ UPDATE await_units SET status = 'TIMED_OUT', version = version + 1, updated_at =
 			return err
 		})
 		if err != nil {
-			return n, err
+			// One bad row must not stop the sweep of the others.
+			s.logger.Warn("timing out an interaction failed; the next sweep retries", "interaction_id", d.interaction, "error", err)
+			if errors.Is(err, execution.ErrUnavailable) {
+				return n, err
+			}
 		}
 	}
 	return n, nil

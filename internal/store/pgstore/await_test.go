@@ -277,3 +277,58 @@ func TestInteractionClaimDispatchClaimsParkedInteraction(t *testing.T) {
 	require.NoError(t, err)
 	require.Empty(t, after, "a completed interaction is never sent again")
 }
+
+// TestRetryAppliesHeldCompletion: the adapter completed through its callback
+// during Execute, then the attempt failed before parking (Execute errored,
+// or its worker died and the reaper retried it): the held completion is the
+// attempt's outcome, not a reason to run the adapter again.
+func TestRetryAppliesHeldCompletion(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	e := startAttempt(t, b)
+	open := openFor(e, time.Hour)
+	fence := pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}
+	held, err := b.store.CompleteInteraction(ctx, pgstore.CompleteParams{Open: &open, Fence: &fence,
+		Outcome: success(`{"done":1}`), Policy: execution.DefaultPolicy()})
+	require.NoError(t, err)
+	require.True(t, held.Held)
+	res, err := b.store.AttemptRetry(ctx, pgstore.RetryParams{ExecutionID: e.ID, Fence: fence,
+		Failure: execution.Failure{Class: execution.ClassAdapterUnavailable, Retryable: true}, Policy: execution.DefaultPolicy()})
+	require.NoError(t, err)
+	require.True(t, res.Released)
+	require.Equal(t, execution.StatusSucceeded, res.Execution.Status)
+	require.Equal(t, `{"done":1}`, string(res.Execution.Output))
+	require.Zero(t, count(t, b.url, `SELECT count(*) FROM dispatch_records WHERE attempt = 2`), "no second run of the adapter")
+	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM completion_events`))
+}
+
+// TestExpiredLeaseCannotBeRenewedAndRenewedLeaseIsNotReaped covers both
+// sides of the reaper race.
+func TestExpiredLeaseCannotBeRenewedAndRenewedLeaseIsNotReaped(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	e, _, err := b.store.ExecutionInsert(ctx, insertParams(b.app.ID, "", `{}`))
+	require.NoError(t, err)
+	e, err = b.store.AttemptStart(ctx, pgstore.AttemptStartParams{ExecutionID: e.ID, Attempt: 1, Owner: "w", LeaseFor: 300 * time.Millisecond})
+	require.NoError(t, err)
+	reap := pgstore.RetryParams{ExecutionID: e.ID, Fence: pgstore.Fence{Attempt: 1, LeaseToken: e.LeaseToken},
+		Failure: execution.Failure{Class: execution.ClassLeaseExpired, Retryable: true}, Policy: execution.DefaultPolicy(),
+		AttemptOutcome: "LEASE_EXPIRED", RequireExpired: true}
+	_, err = b.store.AttemptRetry(ctx, reap)
+	require.ErrorIs(t, err, execution.ErrLeaseLost, "a live lease is not reaped")
+	_, err = b.store.LeaseRenew(ctx, e.ID, 1, e.LeaseToken, time.Minute)
+	require.NoError(t, err, "renewed while alive")
+	_, err = b.store.AttemptRetry(ctx, reap)
+	require.ErrorIs(t, err, execution.ErrLeaseLost, "a lease renewed after the reaper read it is left alone")
+
+	e2, _, err := b.store.ExecutionInsert(ctx, insertParams(b.app.ID, "", `{"b":1}`))
+	require.NoError(t, err)
+	e2, err = b.store.AttemptStart(ctx, pgstore.AttemptStartParams{ExecutionID: e2.ID, Attempt: 1, Owner: "w", LeaseFor: time.Millisecond})
+	require.NoError(t, err)
+	require.Eventually(t, func() bool {
+		_, err := b.store.LeaseRenew(ctx, e2.ID, 1, e2.LeaseToken, time.Minute)
+		return errors.Is(err, execution.ErrLeaseLost)
+	}, 5*time.Second, 5*time.Millisecond, "an expired lease cannot be renewed")
+}

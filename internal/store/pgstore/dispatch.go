@@ -88,3 +88,27 @@ SELECT min(due_at), now() FROM dispatch_records WHERE claimed_until IS NULL OR c
 	}
 	return *due, now, nil
 }
+
+// DispatchRepair is a safety net: it re-creates the dispatch record of every
+// QUEUED or RETRY_SCHEDULED ASYNC execution that has none and has not
+// changed for olderThan (database clock), due now, and returns how many it
+// created. In a healthy system it finds nothing: a record is deleted only
+// after its publication, and the consumer then starts the attempt. A record
+// lost anyway (a bug, an operator's DELETE) would otherwise leave the
+// execution waiting until its budget ends. A repaired record that races a
+// slow consumer is a duplicate dispatch, which the guarded attempt start
+// absorbs; ON CONFLICT keeps one record per attempt.
+func (s *Store) DispatchRepair(ctx context.Context, olderThan time.Duration) (int64, error) {
+	tag, err := s.pool.Exec(ctx, `
+INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at)
+SELECT gen_random_uuid(), e.id, e.application_id, e.attempt + 1, now()
+  FROM executions e
+ WHERE e.status IN ('QUEUED', 'RETRY_SCHEDULED') AND e.mode = 'ASYNC'
+   AND e.updated_at < now() - make_interval(secs => $1)
+   AND NOT EXISTS (SELECT 1 FROM dispatch_records d WHERE d.execution_id = e.id)
+ON CONFLICT (execution_id, attempt) DO NOTHING`, olderThan.Seconds())
+	if err != nil {
+		return 0, translate(fmt.Errorf("repair dispatch records: %w", err))
+	}
+	return tag.RowsAffected(), nil
+}

@@ -230,14 +230,16 @@ INSERT INTO attempts (execution_id, attempt, application_id, worker, lease_token
 }
 
 // LeaseRenew extends the lease of attempt N to now()+leaseFor. Guard: status
-// RUNNING or WAITING_EXTERNAL AND attempt = N AND lease_token = token. Zero
-// rows means the lease was lost (reaped, superseded or settled):
-// execution.ErrLeaseLost. It returns the new expiry.
+// RUNNING or WAITING_EXTERNAL AND attempt = N AND lease_token = token AND
+// the lease has not expired yet. Zero rows means the lease was lost
+// (expired, reaped, superseded or settled): execution.ErrLeaseLost. It
+// returns the new expiry.
 func (s *Store) LeaseRenew(ctx context.Context, id uuid.UUID, attempt int, token uuid.UUID, leaseFor time.Duration) (time.Time, error) {
 	var exp time.Time
 	err := s.pool.QueryRow(ctx, `
 UPDATE executions SET lease_expires_at = now() + make_interval(secs => $4), version = version + 1, updated_at = now()
  WHERE id = $1 AND attempt = $2 AND lease_token = $3 AND status IN ('RUNNING', 'WAITING_EXTERNAL')
+   AND lease_expires_at > now()
 RETURNING lease_expires_at`, id, attempt, token, leaseFor.Seconds()).Scan(&exp)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return time.Time{}, fmt.Errorf("renew lease of %s attempt %d: %w", id, attempt, execution.ErrLeaseLost)

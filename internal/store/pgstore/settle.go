@@ -172,10 +172,20 @@ type RetryParams struct {
 	// LEASE_EXPIRED for the reaper.
 	AttemptOutcome string
 	Rand           *rand.Rand // jitter source; nil means the global one
+	// RequireExpired (the reaper) re-checks under the row lock that the
+	// lease is still expired, so a lease renewed after the reaper read it
+	// is left alone.
+	RequireExpired bool
+	// skipHeld is set when the retry itself comes from applying a held
+	// completion, which must not be looked for again.
+	skipHeld bool
 }
 
 // RetryResult says what AttemptRetry did.
 type RetryResult struct {
+	// Released: a completion recorded before the park was applied instead
+	// (the execution settled); Decision is then zero.
+	Released  bool
 	Decision  execution.RetryDecision
 	Execution execution.Execution
 	DueAt     time.Time // for RetrySchedule
@@ -213,17 +223,40 @@ func retryTx(ctx context.Context, tx pgx.Tx, p RetryParams) (RetryResult, error)
 		token           *uuid.UUID
 		version         int64
 		budget, now     time.Time
+		leaseExpires    *time.Time
 	)
 	err := tx.QueryRow(ctx, `
-SELECT status, attempt, max_attempts, lease_token, version, budget_deadline, now()
+SELECT status, attempt, max_attempts, lease_token, version, budget_deadline, now(), lease_expires_at
   FROM executions WHERE id = $1 FOR UPDATE`, p.ExecutionID).
-		Scan(&status, &attempt, &maxAtt, &token, &version, &budget, &now)
+		Scan(&status, &attempt, &maxAtt, &token, &version, &budget, &now, &leaseExpires)
 	if err != nil {
 		return res, fmt.Errorf("read execution for retry: %w", err)
 	}
 	if (status != string(execution.StatusRunning) && status != string(execution.StatusWaitingExternal)) ||
 		attempt != p.Fence.Attempt || token == nil || *token != p.Fence.LeaseToken {
 		return res, fmt.Errorf("retry %s attempt %d: %w", p.ExecutionID, p.Fence.Attempt, execution.ErrLeaseLost)
+	}
+	if p.RequireExpired && (leaseExpires == nil || !leaseExpires.Before(now)) {
+		// Renewed since the reaper read it: the attempt is alive.
+		return res, fmt.Errorf("reap %s attempt %d: lease renewed meanwhile: %w", p.ExecutionID, attempt, execution.ErrLeaseLost)
+	}
+	if !p.skipHeld && status == string(execution.StatusRunning) {
+		// A completion recorded before the park (held) is this attempt's
+		// outcome: apply it instead of running the adapter again.
+		held, err := heldCompletionTx(ctx, tx, p.ExecutionID, attempt)
+		if err != nil {
+			return res, err
+		}
+		if held != nil {
+			l := lockedExecution{status: execution.Status(status), attempt: attempt, leaseToken: *token, version: version, now: now}
+			res.Decision = execution.RetrySchedule
+			res.Execution, err = applyCompletionTx(ctx, tx, p.ExecutionID, l, *held, p.Policy)
+			if err == nil && res.Execution.Status.Terminal() {
+				res.Decision = 0
+				res.Released = true
+			}
+			return res, err
+		}
 	}
 	delay := p.Policy.RetryDelay(attempt, p.Rand)
 	res.Decision = execution.DecideRetry(attempt, maxAtt, now, delay, budget)
