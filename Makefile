@@ -29,7 +29,7 @@ build: ## Build the daemons, capstanctl and the example binaries into bin/.
 	$(GO) build -o $(BIN)/csv-payments-app ./examples/csv-payments/app
 
 .PHONY: demo
-demo: build ## Run the csv-payments demo on the embedded stack (INPUT=file.csv, MODE=direct|webhook|kafka).
+demo: build ## Run the csv-payments demo on the embedded stack (INPUT=file.csv, MODE=direct|webhook|kafka|callback).
 	$(BIN)/capstanctl dev --bin-dir $(BIN) --demo-input $(INPUT) --demo-mode $(MODE)
 
 .PHONY: test

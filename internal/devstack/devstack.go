@@ -10,12 +10,16 @@
 // release whose step is an await on that transport (SYSTEM §6), so every
 // attempt parks WAITING_EXTERNAL until the provider completes it — a signed
 // POST back to the gateway's completion endpoint, or a record on the
-// response topic.
+// response topic; "callback" calls its AdapterService, which answers
+// "accepted", so every attempt parks on the interaction-api transport until
+// the provider calls the gateway's AdapterCallbackService with the
+// attempt's callback token and its adapter key.
 package devstack
 
 import (
 	"context"
 	"crypto/rand"
+	"crypto/sha256"
 	"encoding/base64"
 	"encoding/hex"
 	"errors"
@@ -48,7 +52,7 @@ type Options struct {
 	// the stack when it finishes. Empty: run until ctx ends.
 	DemoInput string
 	// DemoMode is how Capstan reaches the provider: ModeDirect (default),
-	// ModeWebhook or ModeKafka.
+	// ModeWebhook, ModeKafka or ModeCallback.
 	DemoMode string
 	// DatabaseURL, when set, is used instead of a throwaway cluster.
 	DatabaseURL string
@@ -69,6 +73,11 @@ const (
 	// ModeKafka: an await step on the kafka transport; requests and
 	// completions travel on RequestTopic and ResponseTopic.
 	ModeKafka = "kafka"
+	// ModeCallback: the consumer calls the provider's AdapterService, which
+	// answers "accepted" and completes later through the gateway's
+	// AdapterCallbackService (the interaction-api transport),
+	// authenticated by a per-run adapter key.
+	ModeCallback = "callback"
 )
 
 // The kafka demo mode's topics.
@@ -95,9 +104,9 @@ func Run(ctx context.Context, o Options) (err error) {
 	switch o.DemoMode {
 	case "":
 		o.DemoMode = ModeDirect
-	case ModeDirect, ModeWebhook, ModeKafka:
+	case ModeDirect, ModeWebhook, ModeKafka, ModeCallback:
 	default:
-		return fmt.Errorf("%w %q: want %s, %s or %s", ErrDemoMode, o.DemoMode, ModeDirect, ModeWebhook, ModeKafka)
+		return fmt.Errorf("%w %q: want %s, %s, %s or %s", ErrDemoMode, o.DemoMode, ModeDirect, ModeWebhook, ModeKafka, ModeCallback)
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -175,9 +184,7 @@ func Run(ctx context.Context, o Options) (err error) {
 		gatewayHTTP: ports[8], providerHTTP: ports[9], providerAdmin: ports[10],
 		dbURL: dbURL, brokers: brokers, mode: o.DemoMode,
 	}
-	if s.mode != ModeDirect {
-		s.awaitSecret, s.callbackSecret = "whsec_"+randomB64(32), randomB64(32)
-	}
+	s.secrets()
 	cfgPath := filepath.Join(runDir, "capstan.yaml")
 	if err := os.WriteFile(cfgPath, []byte(s.config()), 0o600); err != nil {
 		return err
@@ -281,12 +288,27 @@ type stack struct {
 	brokers                                  []string
 	mode                                     string
 	// awaitSecret (whsec_…) is shared by Capstan and the provider in
-	// webhook mode; callbackSecret signs resume tokens (await modes).
+	// webhook mode; callbackSecret signs resume tokens (await modes) and
+	// callback tokens (callback mode).
 	awaitSecret, callbackSecret string
+	// adapterKey is the provider's key for AdapterCallbackService
+	// (callback mode); the configuration holds only its SHA-256.
+	adapterKey string
+}
+
+// secrets draws the mode's per-run secrets.
+func (s *stack) secrets() {
+	switch s.mode {
+	case ModeWebhook, ModeKafka:
+		s.awaitSecret, s.callbackSecret = "whsec_"+randomB64(32), randomB64(32)
+	case ModeCallback:
+		s.callbackSecret, s.adapterKey = randomB64(32), randomKey("ak_")
+	}
 }
 
 // providerArgs returns the provider's flags and environment for the mode.
-// The webhook secret goes through the environment, not the command line.
+// The webhook secret and the adapter key go through the environment, not
+// the command line.
 func (s stack) providerArgs() (args, env []string) {
 	args = []string{"--mode", s.mode, "--admin-listen", fmt.Sprintf("127.0.0.1:%d", s.providerAdmin)}
 	switch s.mode {
@@ -296,6 +318,9 @@ func (s stack) providerArgs() (args, env []string) {
 	case ModeKafka:
 		args = append(args, "--kafka-brokers", strings.Join(s.brokers, ","), "--request-topic", RequestTopic,
 			"--response-topic", ResponseTopic, "--kafka-group", "csv-payments-provider")
+	case ModeCallback:
+		args = append(args, "--listen", fmt.Sprintf("127.0.0.1:%d", s.provider), "--gateway", fmt.Sprintf("127.0.0.1:%d", s.gateway))
+		env = append(env, "PROVIDER_ADAPTER_KEY="+s.adapterKey)
 	default:
 		args = append(args, "--listen", fmt.Sprintf("127.0.0.1:%d", s.provider))
 	}
@@ -310,12 +335,15 @@ func (s stack) describeMode() string {
 			s.providerHTTP, s.gatewayHTTP, adapter.CompletionPath)
 	case ModeKafka:
 		return fmt.Sprintf("await step, requests on %s, completions on %s", RequestTopic, ResponseTopic)
+	case ModeCallback:
+		return fmt.Sprintf("AdapterService calls to 127.0.0.1:%d answered accepted, completions through AdapterCallbackService on 127.0.0.1:%d",
+			s.provider, s.gateway)
 	}
 	return fmt.Sprintf("AdapterService calls to 127.0.0.1:%d", s.provider)
 }
 
 // awaitConfig renders the mode's await step of payments.send (empty in
-// direct mode).
+// direct and callback modes).
 func (s stack) awaitConfig() string {
 	switch s.mode {
 	case ModeWebhook:
@@ -336,10 +364,24 @@ func (s stack) awaitConfig() string {
 	return ""
 }
 
+// adapterKeyConfig renders payments.send's adapter_key_sha256 (callback
+// mode; empty otherwise): the gateway authenticates the provider's
+// callbacks by it.
+func (s stack) adapterKeyConfig() string {
+	if s.adapterKey == "" {
+		return ""
+	}
+	sum := sha256.Sum256([]byte(s.adapterKey))
+	return fmt.Sprintf("    adapter_key_sha256: %s\n", hex.EncodeToString(sum[:]))
+}
+
 // gatewayAwaitConfig renders the gateway's completion endpoint and the
-// callback secret of the await modes (empty in direct mode). Both modes
-// need them: the kafka transport's resume tokens are signed too, and the
-// endpoint must not take the default :7239 on every interface.
+// callback secret of the modes other than direct (empty in direct mode).
+// All of them need the secret — the resume tokens of the webhook and
+// kafka transports and the callback tokens of callback mode are signed
+// with it — and, as the gateway serves the completion endpoint whenever
+// the secret is set, the endpoint must not take the default :7239 on
+// every interface.
 func (s stack) gatewayAwaitConfig() (gateway, top string) {
 	if s.mode == ModeDirect {
 		return "", ""
@@ -388,9 +430,9 @@ capabilities:
     attempt_timeout: 5s
     lease_duration: 10s
     async_budget: 10m
-%s`, s.mode, top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
+%s%s`, s.mode, top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
 		s.gateway, s.gatewayAdmin, s.dispatcher, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider,
-		s.awaitConfig())
+		s.adapterKeyConfig(), s.awaitConfig())
 }
 
 // ensureTopics creates the topics on an external Kafka unless they exist.

@@ -2,6 +2,8 @@ package devstack
 
 import (
 	"bytes"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"os"
 	"path/filepath"
@@ -22,9 +24,7 @@ func testStack(mode string) stack {
 	s := stack{gateway: 1001, gatewayAdmin: 1002, dispatcher: 1003, dispatcherAdmin: 1004, consumerAdmin: 1005,
 		routerAdmin: 1006, provider: 1007, app: 1008, gatewayHTTP: 1009, providerHTTP: 1010, providerAdmin: 1011,
 		dbURL: "postgres://capstan@127.0.0.1:5432/capstan", brokers: []string{"127.0.0.1:9092", "127.0.0.1:9093"}, mode: mode}
-	if mode != ModeDirect {
-		s.awaitSecret, s.callbackSecret = "whsec_"+randomB64(32), randomB64(32)
-	}
+	s.secrets()
 	return s
 }
 
@@ -35,8 +35,11 @@ func TestConfigPerMode(t *testing.T) {
 	tests := []struct {
 		mode  string
 		await *config.AwaitStep // nil: no await step
+		// callbacks: callback_secret and the adapter's key hash are set
+		callbacks bool
 	}{
 		{mode: ModeDirect},
+		{mode: ModeCallback, callbacks: true},
 		{mode: ModeWebhook, await: &config.AwaitStep{Transport: "webhook", URL: "http://127.0.0.1:1010/requests", Timeout: awaitTimeout}},
 		{mode: ModeKafka, await: &config.AwaitStep{Transport: "kafka", RequestTopic: RequestTopic, ResponseTopic: ResponseTopic, Timeout: awaitTimeout}},
 	}
@@ -59,18 +62,34 @@ func TestConfigPerMode(t *testing.T) {
 			if !ok || cp.Adapter != "127.0.0.1:1007" {
 				t.Fatalf("payments.send = %+v, %v", cp, ok)
 			}
-			if tt.await == nil {
-				if cp.Await != nil || cfg.CallbackSecret != "" || cfg.Gateway.PublicURL != "" {
+			wantKeyHash := ""
+			if tt.callbacks {
+				sum := sha256.Sum256([]byte(s.adapterKey))
+				wantKeyHash = hex.EncodeToString(sum[:])
+			}
+			if cp.AdapterKeySHA256 != wantKeyHash || (tt.callbacks && s.adapterKey == "") {
+				t.Errorf("adapter_key_sha256 = %q, want %q", cp.AdapterKeySHA256, wantKeyHash)
+			}
+			if strings.Contains(s.config(), s.adapterKey) && s.adapterKey != "" {
+				t.Error("the configuration holds the adapter key itself")
+			}
+			switch want := tt.await; {
+			case want == nil && cp.Await != nil:
+				t.Errorf("%s mode has an await step: %+v", tt.mode, cp.Await)
+			case want != nil:
+				w := *want
+				if w.Transport == "webhook" {
+					w.Secret = s.awaitSecret
+				}
+				if cp.Await == nil || *cp.Await != w {
+					t.Errorf("await = %+v, want %+v", cp.Await, w)
+				}
+			}
+			if tt.mode == ModeDirect {
+				if cfg.CallbackSecret != "" || cfg.Gateway.PublicURL != "" {
 					t.Errorf("direct mode has await settings: %+v, %+v", cp.Await, cfg.Gateway)
 				}
 				return
-			}
-			want := *tt.await
-			if want.Transport == "webhook" {
-				want.Secret = s.awaitSecret
-			}
-			if cp.Await == nil || *cp.Await != want {
-				t.Errorf("await = %+v, want %+v", cp.Await, want)
 			}
 			if cfg.CallbackSecret != s.callbackSecret || cfg.Gateway.HTTPListen != "127.0.0.1:1009" ||
 				cfg.Gateway.PublicURL != "http://127.0.0.1:1009" {
@@ -85,13 +104,16 @@ func TestProviderArgs(t *testing.T) {
 	tests := []struct {
 		mode     string
 		wantArgs []string
-		wantEnv  []string
+		wantEnv  func(s stack) []string
 	}{
 		{mode: ModeDirect, wantArgs: []string{"--mode", "direct", "--admin-listen", "127.0.0.1:1011", "--listen", "127.0.0.1:1007"}},
 		{mode: ModeWebhook, wantArgs: []string{"--mode", "webhook", "--admin-listen", "127.0.0.1:1011", "--http-listen", "127.0.0.1:1010"},
-			wantEnv: []string{"PROVIDER_WEBHOOK_SECRET="}},
+			wantEnv: func(s stack) []string { return []string{"PROVIDER_WEBHOOK_SECRET=" + s.awaitSecret} }},
 		{mode: ModeKafka, wantArgs: []string{"--mode", "kafka", "--admin-listen", "127.0.0.1:1011", "--kafka-brokers", "127.0.0.1:9092,127.0.0.1:9093",
 			"--request-topic", RequestTopic, "--response-topic", ResponseTopic, "--kafka-group", "csv-payments-provider"}},
+		{mode: ModeCallback, wantArgs: []string{"--mode", "callback", "--admin-listen", "127.0.0.1:1011", "--listen", "127.0.0.1:1007",
+			"--gateway", "127.0.0.1:1001"},
+			wantEnv: func(s stack) []string { return []string{"PROVIDER_ADAPTER_KEY=" + s.adapterKey} }},
 	}
 	for _, tt := range tests {
 		t.Run(tt.mode, func(t *testing.T) {
@@ -101,16 +123,17 @@ func TestProviderArgs(t *testing.T) {
 			if !slices.Equal(args, tt.wantArgs) {
 				t.Errorf("args = %q, want %q", args, tt.wantArgs)
 			}
-			if len(env) != len(tt.wantEnv) {
-				t.Fatalf("env = %q", env)
+			var wantEnv []string
+			if tt.wantEnv != nil {
+				wantEnv = tt.wantEnv(s)
 			}
-			for i := range env {
-				if !strings.HasPrefix(env[i], tt.wantEnv[i]) || env[i] != tt.wantEnv[i]+s.awaitSecret {
-					t.Errorf("env[%d] = %q", i, env[i])
+			if !slices.Equal(env, wantEnv) {
+				t.Errorf("env = %q, want %q", env, wantEnv)
+			}
+			for _, secret := range []string{s.awaitSecret, s.adapterKey} {
+				if secret != "" && slices.ContainsFunc(args, func(a string) bool { return strings.Contains(a, secret) }) {
+					t.Error("a secret is on the command line")
 				}
-			}
-			if slices.ContainsFunc(args, func(a string) bool { return strings.Contains(a, "whsec_") }) {
-				t.Error("the secret is on the command line")
 			}
 		})
 	}

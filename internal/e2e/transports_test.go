@@ -1,9 +1,11 @@
 package e2e_test
 
 // The csv-payments demo over each way Capstan can reach the provider:
-// direct (AdapterService calls) and the await transports webhook and kafka
-// (SYSTEM §6), run with `capstanctl dev --demo-mode`. Every mode must give
-// the same output; the await modes must leave exactly one completion per
+// direct (AdapterService calls), the await transports webhook and kafka
+// (SYSTEM §6), and callback (AdapterService answering "accepted", completed
+// through AdapterCallbackService on the interaction-api transport), run
+// with `capstanctl dev --demo-mode`. Every mode must give the same output;
+// the modes other than direct must leave exactly one completion per
 // attempt, and a completion delivered twice must change nothing.
 
 import (
@@ -181,9 +183,13 @@ SELECT count(*) FROM executions e JOIN await_units u ON u.execution_id = e.id JO
 	require.Zero(t, queryInt(t, conn, `SELECT count(*) FROM completion_refusals`), "no completion was refused")
 }
 
+// transportModes are the demo modes TestTransports compares, direct first.
+var transportModes = []string{devstack.ModeDirect, devstack.ModeWebhook, devstack.ModeKafka, devstack.ModeCallback}
+
 // TestTransports runs the 1k demo once per mode (in parallel, each on its
 // own database and Kafka) and checks that the modes agree row by row except
-// for Attempts and ExecutionID.
+// for Attempts and ExecutionID. In callback mode every attempt is accepted
+// and parks on the interaction-api transport.
 func TestTransports(t *testing.T) {
 	if testing.Short() {
 		t.Skip("end to end: runs the demo with the daemons as processes")
@@ -197,7 +203,7 @@ func TestTransports(t *testing.T) {
 	outputs := map[string][][]string{}
 	var columns map[string]int
 	t.Run("mode", func(t *testing.T) {
-		for _, mode := range []string{devstack.ModeDirect, devstack.ModeWebhook, devstack.ModeKafka} {
+		for _, mode := range transportModes {
 			t.Run(mode, func(t *testing.T) {
 				t.Parallel()
 				dbURL := pgtest.NewDatabase(t, func(ctx context.Context, url string) error {
@@ -214,9 +220,12 @@ func TestTransports(t *testing.T) {
 				require.NoError(t, err)
 				defer conn.Close(ctx)
 				requireSettledOnce(t, conn, len(payments))
-				if mode == devstack.ModeDirect {
+				switch mode {
+				case devstack.ModeDirect:
 					require.Zero(t, queryInt(t, conn, `SELECT count(*) FROM interactions`), "direct mode opens no interaction")
-				} else {
+				case devstack.ModeCallback:
+					requireOneCompletionPerAttempt(t, conn, len(payments), "interaction-api")
+				default:
 					requireOneCompletionPerAttempt(t, conn, len(payments), mode)
 				}
 				mu.Lock()
@@ -225,7 +234,7 @@ func TestTransports(t *testing.T) {
 			})
 		}
 	})
-	if len(outputs) != 3 {
+	if len(outputs) != len(transportModes) {
 		return // a mode failed and said why
 	}
 	varying := []int{columns["Attempts"], columns["ExecutionID"]}
@@ -238,7 +247,7 @@ func TestTransports(t *testing.T) {
 		}
 		return out
 	}
-	for _, mode := range []string{devstack.ModeWebhook, devstack.ModeKafka} {
+	for _, mode := range transportModes[1:] {
 		for i := range outputs[devstack.ModeDirect] {
 			require.Equal(t, stable(outputs[devstack.ModeDirect][i]), stable(outputs[mode][i]),
 				"%s mode, output line %d: same as direct mode but for Attempts and ExecutionID", mode, i+1)

@@ -1,7 +1,7 @@
 // Command provider is the csv-payments example's mock payment provider. It
 // answers each payment per payment.Decide after a random latency, except
 // for a seeded, deterministic fraction of attempts that fail retryably with
-// class "provider.unavailable". It speaks one of three protocols (--mode):
+// class "provider.unavailable". It speaks one of four protocols (--mode):
 //
 //   - direct: it implements Capstan's AdapterService (capability
 //     "payments.send") with pkg/adapter on --listen; the retryable draw is
@@ -16,22 +16,36 @@
 //   - kafka: the partner of the kafka transport. It consumes --request-topic
 //     in consumer group --kafka-group and produces each completion to
 //     --response-topic keyed by the request's correlation id.
+//   - callback: it implements AdapterService on --listen like direct mode,
+//     but answers each valid Execute with "accepted" at once (external
+//     reference: the payment's provider reference, or the execution id when
+//     the payment fails) and finishes the attempt later through the
+//     gateway's AdapterCallbackService on --gateway (the interaction-api
+//     transport): ReportProgress, RenewLease while it holds the work longer
+//     than --renew-every, then CompleteExecution with the outcome direct
+//     mode would have answered, retried with backoff while the gateway is
+//     unavailable. It authenticates with --adapter-key, which Capstan knows
+//     as capabilities[].adapter_key_sha256. The retryable draw is keyed by
+//     execution id and attempt, as in direct mode.
 //
-// In the await modes the retryable draw is keyed by execution id and
+// In the webhook and kafka modes the retryable draw is keyed by execution id and
 // interaction id (each attempt opens a new interaction), and a request sent
 // again for an interaction being or already answered is not answered twice.
 //
 // Flags (each falls back to the environment variable in brackets when not
 // given on the command line):
 //
-//	--mode                [PROVIDER_MODE]               direct, webhook or kafka, default direct
-//	--listen              [PROVIDER_LISTEN]             gRPC address (direct), default 127.0.0.1:7070
+//	--mode                [PROVIDER_MODE]               direct, webhook, kafka or callback, default direct
+//	--listen              [PROVIDER_LISTEN]             gRPC address (direct, callback), default 127.0.0.1:7070
 //	--http-listen         [PROVIDER_HTTP_LISTEN]        HTTP address of POST /requests (webhook), default 127.0.0.1:7071
 //	--webhook-secret      [PROVIDER_WEBHOOK_SECRET]     whsec_… secret shared with Capstan (webhook), required there
 //	--kafka-brokers       [PROVIDER_KAFKA_BROKERS]      comma-separated seed brokers (kafka), required there
 //	--request-topic       [PROVIDER_REQUEST_TOPIC]      topic of the requests (kafka), default payments.requests
 //	--response-topic      [PROVIDER_RESPONSE_TOPIC]     topic of the completions (kafka), default payments.responses
 //	--kafka-group         [PROVIDER_KAFKA_GROUP]        consumer group (kafka), default csv-payments-provider
+//	--gateway             [PROVIDER_GATEWAY]            gRPC address of Capstan's gateway (callback), default 127.0.0.1:7233
+//	--adapter-key         [PROVIDER_ADAPTER_KEY]        the adapter's key (callback), required there; prefer the variable
+//	--renew-every         [PROVIDER_RENEW_EVERY]        lease renewal rhythm while holding work (callback), default 1s
 //	--admin-listen        [PROVIDER_ADMIN_LISTEN]       HTTP address of GET /stats, default "" (off)
 //	--latency-min         [PROVIDER_LATENCY_MIN]        shortest latency per attempt, default 5ms
 //	--latency-max         [PROVIDER_LATENCY_MAX]        longest latency per attempt, default 30ms
@@ -40,12 +54,14 @@
 //	--log-level           [PROVIDER_LOG_LEVEL]          debug, info, warn or error, default info
 //
 // A hidden test flag, --duplicate-completions [PROVIDER_DUPLICATE_COMPLETIONS],
-// makes the await modes deliver every completion twice.
+// makes the webhook, kafka and callback modes deliver every completion
+// twice.
 //
-// Logs go to stderr as JSON; inputs and outputs are never logged. GET /stats
+// Logs go to stderr as JSON; inputs, outputs and the adapter key are never
+// logged. GET /stats
 // answers {"calls":N,"executions":M}: Execute calls (or interaction
-// requests) so far and distinct execution ids among them, plus the await
-// modes' counters (see type stats).
+// requests) so far and distinct execution ids among them, plus the
+// counters of the modes that answer later (see type stats).
 package main
 
 import (
@@ -75,20 +91,32 @@ const (
 	modeDirect  = "direct"
 	modeWebhook = "webhook"
 	modeKafka   = "kafka"
+	// modeCallback answers Execute "accepted" and completes through the
+	// gateway's AdapterCallbackService.
+	modeCallback = "callback"
 )
 
 // config is the provider's configuration.
 type config struct {
-	// Mode is modeDirect, modeWebhook or modeKafka; "" means modeDirect.
+	// Mode is modeDirect, modeWebhook, modeKafka or modeCallback; "" means
+	// modeDirect.
 	Mode          string
 	Listen        string
 	HTTPListen    string
 	WebhookSecret string
 	// KafkaBrokers is a comma-separated list of seed brokers.
-	KafkaBrokers         string
-	RequestTopic         string
-	ResponseTopic        string
-	KafkaGroup           string
+	KafkaBrokers  string
+	RequestTopic  string
+	ResponseTopic string
+	KafkaGroup    string
+	// Gateway is the gRPC address of Capstan's gateway (callback mode).
+	Gateway string
+	// AdapterKey authenticates the callbacks (callback mode). Never log it.
+	AdapterKey string
+	// RenewEvery is the callback lease's renewal rhythm while the provider
+	// holds an attempt (callback mode); after a renewal it is shortened to
+	// a third of the remaining lease when that is shorter.
+	RenewEvery           time.Duration
 	DuplicateCompletions bool
 	AdminListen          string
 	LatencyMin           time.Duration
@@ -97,7 +125,7 @@ type config struct {
 	Seed                 uint64
 	LogLevel             slog.Level
 	// drainGrace is how long answers in flight may finish at shutdown in
-	// the await modes; 0 means adapter.ShutdownGrace. Not a flag: tests
+	// the webhook, kafka and callback modes; 0 means adapter.ShutdownGrace. Not a flag: tests
 	// shorten it.
 	drainGrace time.Duration
 }
@@ -112,6 +140,9 @@ var envFallbacks = []struct{ flag, env string }{
 	{"request-topic", "PROVIDER_REQUEST_TOPIC"},
 	{"response-topic", "PROVIDER_RESPONSE_TOPIC"},
 	{"kafka-group", "PROVIDER_KAFKA_GROUP"},
+	{"gateway", "PROVIDER_GATEWAY"},
+	{"adapter-key", "PROVIDER_ADAPTER_KEY"},
+	{"renew-every", "PROVIDER_RENEW_EVERY"},
 	{"duplicate-completions", "PROVIDER_DUPLICATE_COMPLETIONS"},
 	{"admin-listen", "PROVIDER_ADMIN_LISTEN"},
 	{"latency-min", "PROVIDER_LATENCY_MIN"},
@@ -127,14 +158,17 @@ func parseConfig(args []string, getenv func(string) string, usage io.Writer) (co
 	var cfg config
 	fs := flag.NewFlagSet("provider", flag.ContinueOnError)
 	fs.SetOutput(usage)
-	fs.StringVar(&cfg.Mode, "mode", modeDirect, "protocol: direct (AdapterService), webhook or kafka (await transports)")
-	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "gRPC listen address of AdapterService (direct mode)")
+	fs.StringVar(&cfg.Mode, "mode", modeDirect, "protocol: direct (AdapterService), webhook or kafka (await transports), callback (AdapterService answering accepted)")
+	fs.StringVar(&cfg.Listen, "listen", "127.0.0.1:7070", "gRPC listen address of AdapterService (direct and callback modes)")
 	fs.StringVar(&cfg.HTTPListen, "http-listen", "127.0.0.1:7071", "HTTP listen address of POST "+requestsPath+" (webhook mode)")
 	fs.StringVar(&cfg.WebhookSecret, "webhook-secret", "", "whsec_… secret shared with Capstan; verifies requests and signs completions (webhook mode)")
 	fs.StringVar(&cfg.KafkaBrokers, "kafka-brokers", "", "comma-separated Kafka seed brokers (kafka mode)")
 	fs.StringVar(&cfg.RequestTopic, "request-topic", "payments.requests", "topic of the interaction requests (kafka mode)")
 	fs.StringVar(&cfg.ResponseTopic, "response-topic", "payments.responses", "topic of the completions (kafka mode)")
 	fs.StringVar(&cfg.KafkaGroup, "kafka-group", "csv-payments-provider", "consumer group of the request topic (kafka mode)")
+	fs.StringVar(&cfg.Gateway, "gateway", "127.0.0.1:7233", "gRPC address of Capstan's gateway, for AdapterCallbackService (callback mode)")
+	fs.StringVar(&cfg.AdapterKey, "adapter-key", "", "the adapter's key for AdapterCallbackService (callback mode); prefer PROVIDER_ADAPTER_KEY, which stays off the process list")
+	fs.DurationVar(&cfg.RenewEvery, "renew-every", time.Second, "renew the callback lease this often while holding an attempt (callback mode); keep it below a third of lease_duration")
 	fs.BoolVar(&cfg.DuplicateCompletions, "duplicate-completions", false, "deliver every completion twice (tests)")
 	fs.StringVar(&cfg.AdminListen, "admin-listen", "", "HTTP listen address of GET /stats (empty: off)")
 	fs.DurationVar(&cfg.LatencyMin, "latency-min", 5*time.Millisecond, "shortest simulated latency per attempt")
@@ -195,6 +229,19 @@ func (cfg config) validateMode() error {
 		if err := adapter.SignWebhook(http.Header{}, cfg.WebhookSecret, "probe", time.Now(), nil); err != nil {
 			return fmt.Errorf("%w: --webhook-secret: %w", errConfig, err)
 		}
+	case modeCallback:
+		switch {
+		case cfg.Listen == "":
+			return fmt.Errorf("%w: --listen is empty (callback mode)", errConfig)
+		case cfg.Gateway == "":
+			return fmt.Errorf("%w: --gateway is empty (callback mode)", errConfig)
+		case cfg.AdapterKey == "":
+			return fmt.Errorf("%w: --adapter-key (or PROVIDER_ADAPTER_KEY) is required (callback mode)", errConfig)
+		case len(cfg.AdapterKey) > maxAdapterKeyBytes || strings.ContainsAny(cfg.AdapterKey, " \t\r\n"):
+			return fmt.Errorf("%w: --adapter-key: want at most %d bytes without white space (callback mode)", errConfig, maxAdapterKeyBytes)
+		case cfg.RenewEvery <= 0:
+			return fmt.Errorf("%w: --renew-every %s: want > 0 (callback mode)", errConfig, cfg.RenewEvery)
+		}
 	case modeKafka:
 		switch {
 		case len(splitBrokers(cfg.KafkaBrokers)) == 0:
@@ -207,7 +254,7 @@ func (cfg config) validateMode() error {
 			return fmt.Errorf("%w: --kafka-group is empty (kafka mode)", errConfig)
 		}
 	default:
-		return fmt.Errorf("%w: --mode %q: want direct, webhook or kafka", errConfig, cfg.Mode)
+		return fmt.Errorf("%w: --mode %q: want direct, webhook, kafka or callback", errConfig, cfg.Mode)
 	}
 	return nil
 }
@@ -260,7 +307,7 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	var lc net.ListenConfig
 	var lis net.Listener
 	switch cfg.Mode {
-	case modeDirect:
+	case modeDirect, modeCallback:
 		if lis, err = lc.Listen(ctx, "tcp", cfg.Listen); err != nil {
 			return fmt.Errorf("provider: listen %s: %w", cfg.Listen, err)
 		}
@@ -282,8 +329,9 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 	return serve(ctx, cfg, lis, adminLis, logger)
 }
 
-// serve serves the provider in cfg.Mode — AdapterService (direct) or the
-// webhook transport on lis, the kafka transport (lis is nil) — and, when
+// serve serves the provider in cfg.Mode — AdapterService (direct and
+// callback) or the webhook transport on lis, the kafka transport (lis is
+// nil) — and, when
 // adminLis is not nil, GET /stats on adminLis, until ctx ends. It closes
 // both listeners.
 func serve(ctx context.Context, cfg config, lis, adminLis net.Listener, logger *slog.Logger) error {
@@ -330,6 +378,8 @@ func serve(ctx context.Context, cfg config, lis, adminLis net.Listener, logger *
 		err = serveWebhook(ctx, cfg, p, lis, logger)
 	case modeKafka:
 		err = serveKafka(ctx, cfg, p, logger)
+	case modeCallback:
+		err = serveCallback(ctx, cfg, p, lis, logger)
 	default:
 		err = adapter.Serve(ctx, lis, p, logger)
 	}
@@ -341,6 +391,6 @@ func serve(ctx context.Context, cfg config, lis, adminLis net.Listener, logger *
 	s := p.snapshot()
 	logger.InfoContext(context.WithoutCancel(ctx), "provider stopped", slog.Int64("calls", s.Calls), slog.Int("executions", s.Executions),
 		slog.Int("interactions", s.Interactions), slog.Int64("resent", s.Resent), slog.Int64("completions", s.Completions), slog.Int64("duplicate_acks", s.DuplicateAcks),
-		slog.Int64("dropped", s.Dropped))
+		slog.Int64("dropped", s.Dropped), slog.Int64("renewals", s.Renewals))
 	return err
 }

@@ -19,9 +19,10 @@ import (
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 )
 
-// provider is the mock payment provider: an adapter.Handler (direct mode)
-// and the partner of the await transports (webhook and kafka modes) that
-// answers per payment.Decide, after a random latency, except for a seeded,
+// provider is the mock payment provider: an adapter.Handler (direct mode),
+// the partner of the await transports (webhook and kafka modes) and the
+// decisions behind callbackAdapter (callback mode). It answers per
+// payment.Decide, after a random latency, except for a seeded,
 // deterministic fraction of attempts that fail retryably.
 type provider struct {
 	latencyMin, latencyMax time.Duration
@@ -35,9 +36,9 @@ type provider struct {
 	perID map[string]int
 	// await transports: interactions by id (see admitInteraction) and
 	// counters of what happened to them.
-	interactions                                map[string]*interactionEntry
-	pruneAt                                     int
-	resent, completions, duplicateAcks, dropped int64
+	interactions                                          map[string]*interactionEntry
+	pruneAt                                               int
+	resent, completions, duplicateAcks, dropped, renewals int64
 }
 
 // newProvider returns a provider for cfg that logs to logger.
@@ -59,11 +60,7 @@ var _ adapter.Handler = (*provider)(nil)
 
 // Execute performs one attempt. It never logs the input or the output.
 func (p *provider) Execute(ctx context.Context, req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
-	p.mu.Lock()
-	p.calls++
-	p.perID[req.GetExecutionId()]++
-	p.mu.Unlock()
-
+	p.countCall(req.GetExecutionId())
 	if err := p.sleep(ctx); err != nil {
 		return nil, status.FromContextError(err).Err()
 	}
@@ -85,12 +82,18 @@ func (p *provider) Execute(ctx context.Context, req *adapterv1.ExecuteRequest) (
 
 // decide returns the attempt's outcome without latency.
 func (p *provider) decide(req *adapterv1.ExecuteRequest) *adapterv1.ExecuteResponse {
-	v := decideInput(failRetryably(p.seed, req.GetExecutionId(), req.GetAttempt(), p.retryableFraction),
-		req.GetContentType(), req.GetInput())
+	v := p.decideAttempt(req)
 	if !v.succeeded {
 		return adapter.Failed(v.class, v.message, v.retryable)
 	}
 	return adapter.Succeeded(v.output, "application/json")
+}
+
+// decideAttempt decides an attempt (direct and callback modes): the
+// retryable draw keyed by execution id and attempt, then the input.
+func (p *provider) decideAttempt(req *adapterv1.ExecuteRequest) verdict {
+	return decideInput(failRetryably(p.seed, req.GetExecutionId(), req.GetAttempt(), p.retryableFraction),
+		req.GetContentType(), req.GetInput())
 }
 
 // verdict is a decided attempt or interaction, independent of how it is
@@ -98,6 +101,7 @@ func (p *provider) decide(req *adapterv1.ExecuteRequest) *adapterv1.ExecuteRespo
 type verdict struct {
 	succeeded bool
 	output    []byte // the JSON result when succeeded
+	reference string // the provider reference when succeeded
 	class     string
 	message   string
 	retryable bool
@@ -123,7 +127,7 @@ func decideInput(failRetryable bool, contentType string, input []byte) verdict {
 	if !o.Succeeded {
 		return verdict{class: o.FailureClass, message: o.FailureMessage, retryable: o.Retryable}
 	}
-	return verdict{succeeded: true, output: o.Result.JSON()}
+	return verdict{succeeded: true, output: o.Result.JSON(), reference: o.Result.ProviderReference}
 }
 
 // sleep waits a uniformly random duration in [latencyMin, latencyMax], or
@@ -191,8 +195,9 @@ func drawBelow(fraction float64, seed uint64, parts ...[]byte) bool {
 // stats is the body of GET /stats. The await-transport counters are
 // omitted while zero, so direct mode answers {"calls":N,"executions":M}.
 type stats struct {
-	// Calls is the number of Execute calls (direct mode) or interaction
-	// requests received, resends included (webhook and kafka modes).
+	// Calls is the number of Execute calls (direct and callback modes) or
+	// interaction requests received, resends included (webhook and kafka
+	// modes).
 	Calls int64 `json:"calls"`
 	// Executions is the number of distinct execution ids seen.
 	Executions int `json:"executions"`
@@ -200,18 +205,22 @@ type stats struct {
 	// interaction ids whose deadline has not passed).
 	Interactions int `json:"interactions,omitempty"`
 	// Resent counts requests ignored because their interaction was already
-	// being answered or answered.
+	// being answered or answered, and Execute calls answered without new
+	// work because their attempt was already being completed (callback).
 	Resent int64 `json:"resent,omitempty"`
 	// Completions counts completions delivered: acknowledged by the
-	// completion endpoint (webhook) or produced (kafka), copies sent by
-	// --duplicate-completions included.
+	// completion endpoint (webhook) or CompleteExecution (callback), or
+	// produced (kafka), copies sent by --duplicate-completions included.
 	Completions int64 `json:"completions,omitempty"`
-	// DuplicateAcks counts webhook completions that Capstan answered as
-	// duplicates of one it had already admitted.
+	// DuplicateAcks counts webhook and callback completions that Capstan
+	// answered as duplicates of one it had already admitted.
 	DuplicateAcks int64 `json:"duplicate_acks,omitempty"`
 	// Dropped counts completions given up on: refused by Capstan, past the
-	// interaction's deadline, or interrupted by shutdown.
+	// interaction's deadline, interrupted by shutdown, or (callback) of an
+	// attempt whose lease was lost.
 	Dropped int64 `json:"dropped,omitempty"`
+	// Renewals counts callback leases renewed (callback mode).
+	Renewals int64 `json:"renewals,omitempty"`
 }
 
 // snapshot returns the current counts.
@@ -219,7 +228,8 @@ func (p *provider) snapshot() stats {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return stats{Calls: p.calls, Executions: len(p.perID), Interactions: len(p.interactions),
-		Resent: p.resent, Completions: p.completions, DuplicateAcks: p.duplicateAcks, Dropped: p.dropped}
+		Resent: p.resent, Completions: p.completions, DuplicateAcks: p.duplicateAcks, Dropped: p.dropped,
+		Renewals: p.renewals}
 }
 
 // adminHandler serves GET /stats as JSON {"calls":N,"executions":M}.

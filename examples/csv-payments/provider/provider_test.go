@@ -34,6 +34,7 @@ func TestMain(m *testing.M) {
 // defaultConfig is parseConfig's result without flags or environment.
 var defaultConfig = config{Mode: modeDirect, Listen: "127.0.0.1:7070", HTTPListen: "127.0.0.1:7071",
 	RequestTopic: "payments.requests", ResponseTopic: "payments.responses", KafkaGroup: "csv-payments-provider",
+	Gateway: "127.0.0.1:7233", RenewEvery: time.Second,
 	LatencyMin: 5 * time.Millisecond, LatencyMax: 30 * time.Millisecond, RetryableFraction: 0.1, Seed: 1, LogLevel: slog.LevelInfo}
 
 const testSecret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw" // base64 of 24 bytes
@@ -84,6 +85,22 @@ func TestParseConfig(t *testing.T) {
 			}),
 		},
 		{
+			name: "callback mode, the key from the environment",
+			args: []string{"--mode", "callback", "--gateway", "127.0.0.1:9", "--renew-every", "250ms"},
+			env:  map[string]string{"PROVIDER_ADAPTER_KEY": "ak_1", "PROVIDER_GATEWAY": "127.0.0.1:8"},
+			want: with(func(c *config) {
+				c.Mode, c.Gateway, c.AdapterKey, c.RenewEvery = modeCallback, "127.0.0.1:9", "ak_1", 250*time.Millisecond
+			}),
+		},
+		{
+			name: "callback mode from the environment",
+			env: map[string]string{"PROVIDER_MODE": "callback", "PROVIDER_ADAPTER_KEY": "ak_2", "PROVIDER_GATEWAY": "gw:7233",
+				"PROVIDER_RENEW_EVERY": "3s", "PROVIDER_LISTEN": "127.0.0.1:0"},
+			want: with(func(c *config) {
+				c.Mode, c.Gateway, c.AdapterKey, c.RenewEvery, c.Listen = modeCallback, "gw:7233", "ak_2", 3*time.Second, "127.0.0.1:0"
+			}),
+		},
+		{
 			name: "kafka mode from the environment",
 			env:  map[string]string{"PROVIDER_MODE": "kafka", "PROVIDER_KAFKA_BROKERS": "127.0.0.1:3"},
 			want: with(func(c *config) { c.Mode, c.KafkaBrokers = modeKafka, "127.0.0.1:3" }),
@@ -127,6 +144,12 @@ func TestParseConfigRejects(t *testing.T) {
 		{name: "kafka same topics", args: []string{"--mode", "kafka", "--kafka-brokers", "b:1", "--response-topic", "payments.requests"}},
 		{name: "kafka without group", args: []string{"--mode", "kafka", "--kafka-brokers", "b:1", "--kafka-group", ""}},
 		{name: "bad duplicate flag", env: map[string]string{"PROVIDER_DUPLICATE_COMPLETIONS": "twice"}},
+		{name: "callback without key", args: []string{"--mode", "callback"}},
+		{name: "callback key with white space", args: []string{"--mode", "callback", "--adapter-key", "ak 1"}},
+		{name: "callback key too long", args: []string{"--mode", "callback", "--adapter-key", strings.Repeat("k", 513)}},
+		{name: "callback without gateway", args: []string{"--mode", "callback", "--adapter-key", "k", "--gateway", ""}},
+		{name: "callback without listen", args: []string{"--mode", "callback", "--adapter-key", "k", "--listen", ""}},
+		{name: "callback renew-every zero", args: []string{"--mode", "callback", "--adapter-key", "k", "--renew-every", "0s"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -371,10 +394,13 @@ func TestRunStartsAndStops(t *testing.T) {
 	tests := []struct {
 		name string
 		args []string
+		env  map[string]string
 	}{
 		{name: "direct", args: []string{"--listen", "127.0.0.1:0", "--admin-listen", "127.0.0.1:0"}},
 		{name: "webhook", args: []string{"--mode", "webhook", "--http-listen", "127.0.0.1:0", "--webhook-secret", testSecret}},
 		{name: "kafka", args: []string{"--mode", "kafka", "--kafka-brokers", kc.Brokers()[0], "--admin-listen", "127.0.0.1:0"}},
+		{name: "callback", args: []string{"--mode", "callback", "--listen", "127.0.0.1:0", "--gateway", "127.0.0.1:1"},
+			env: map[string]string{"PROVIDER_ADAPTER_KEY": testAdapterKey}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -382,7 +408,7 @@ func TestRunStartsAndStops(t *testing.T) {
 			ctx, cancel := context.WithCancel(t.Context())
 			logs := &startWatcher{started: make(chan struct{})}
 			errc := make(chan error, 1)
-			go func() { errc <- run(ctx, tt.args, func(string) string { return "" }, logs) }()
+			go func() { errc <- run(ctx, tt.args, func(k string) string { return tt.env[k] }, logs) }()
 			select {
 			case <-logs.started:
 			case err := <-errc:
@@ -394,6 +420,9 @@ func TestRunStartsAndStops(t *testing.T) {
 			}
 			if !strings.Contains(logs.String(), `"msg":"provider stopped"`) {
 				t.Errorf("logs lack the stop record: %s", logs.String())
+			}
+			if strings.Contains(logs.String(), testAdapterKey) {
+				t.Errorf("logs reveal the adapter key: %s", logs.String())
 			}
 		})
 	}

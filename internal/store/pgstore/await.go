@@ -305,6 +305,16 @@ func (s *Store) AwaitPark(ctx context.Context, p ParkParams) (ParkResult, error)
 		if err != nil {
 			return err
 		}
+		if p.ExternalReference != "" {
+			// A completion held before the park opened the interaction
+			// without the adapter's reference: fill it in. Guard: only when
+			// none is stored; zero rows means it was already there.
+			if _, err := tx.Exec(ctx, `
+UPDATE interactions SET external_reference = $2, updated_at = now() WHERE id = $1 AND external_reference IS NULL`,
+				res.InteractionID, p.ExternalReference); err != nil {
+				return fmt.Errorf("store external reference: %w", err)
+			}
+		}
 		i, err := lockInteractionTx(ctx, tx, res.InteractionID)
 		if err != nil {
 			return err
