@@ -27,6 +27,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -51,6 +52,9 @@ type Consumer struct {
 	stats    counters
 	// signer issues callback tokens; nil when no callback_secret is set.
 	signer *token.Signer
+
+	mp metric.MeterProvider
+	m  metrics
 }
 
 type counters struct {
@@ -73,9 +77,15 @@ func (c *Consumer) Stats() Stats {
 // the options from ClientOpts; owner names this worker in leases.
 // A configuration whose callback_secret does not decode gets no signer
 // (config.Validate refuses it first).
-func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *offsetTracker, owner string, logger *slog.Logger) *Consumer {
+func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *offsetTracker, owner string, logger *slog.Logger, opts ...Option) *Consumer {
 	c := &Consumer{store: store, client: client, cfg: cfg, adapters: adapterclient.NewPool(), offsets: offsets,
 		owner: owner, logger: logger}
+	for _, o := range opts {
+		o(c)
+	}
+	if err := c.initMetrics(); err != nil {
+		logger.Warn("metrics not fully registered", "error", err)
+	}
 	if key, err := base64.StdEncoding.DecodeString(cfg.CallbackSecret); err == nil && cfg.CallbackSecret != "" {
 		c.signer, _ = token.NewSigner(key)
 	}
@@ -256,6 +266,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	fence := pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}
 	capb, ok := c.cfg.Lookup(e.Capability)
 	if !ok {
+		c.attempt(ctx, outcomeFailed, execution.ClassConfigMissing)
 		c.settle(ctx, log, e, fence, execution.StatusFailed, execution.Outcome{Failure: execution.Failure{
 			Class: execution.ClassConfigMissing, Message: fmt.Sprintf("capability %q is not configured", e.Capability)}})
 		return
@@ -264,6 +275,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	if capb.Await != nil {
 		// The release's step is an await: send the input out over the
 		// transport and park, without calling the adapter.
+		c.attempt(ctx, outcomeParked, "")
 		c.park(ctx, log, e, capb, policy, "")
 		return
 	}
@@ -290,6 +302,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	<-hbDone
 	if leaseLost.Load() {
 		c.stats.lost.Add(1)
+		c.attempt(ctx, outcomeLeaseLost, "")
 		log.Info("lease lost during the adapter call; outcome discarded")
 		return
 	}
@@ -302,12 +315,16 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	out := adapterclient.Classify(resp, callErr)
 	switch {
 	case out.Accepted:
+		c.attempt(ctx, outcomeAccepted, "")
 		c.park(ctx, log, e, capb, policy, out.ExternalReference)
 	case out.Succeeded:
+		c.attempt(ctx, outcomeSucceeded, "")
 		c.settle(ctx, log, e, fence, execution.StatusSucceeded, out)
 	case !out.Failure.Retryable:
+		c.attempt(ctx, outcomeFailed, out.Failure.Class)
 		c.settle(ctx, log, e, fence, execution.StatusFailed, out)
 	default:
+		c.attempt(ctx, outcomeRetryable, out.Failure.Class)
 		c.retry(ctx, log, e, fence, out.Failure, policy, "RETRYABLE_FAILURE")
 	}
 }
@@ -351,8 +368,10 @@ func (c *Consumer) settle(ctx context.Context, log *slog.Logger, e execution.Exe
 		log.Warn("settlement not written before shutdown; the lease will expire and the attempt retry", "error", err)
 	case st == execution.StatusSucceeded:
 		c.stats.succeeded.Add(1)
+		c.settledAs(ctx, st)
 	default:
 		c.stats.failed.Add(1)
+		c.settledAs(ctx, st)
 	}
 }
 
@@ -373,15 +392,18 @@ func (c *Consumer) retry(ctx context.Context, log *slog.Logger, e execution.Exec
 		log.Warn("retry not written before shutdown; the lease will expire", "error", err)
 	case res.Released:
 		c.stats.succeeded.Add(1)
+		c.settledAs(ctx, res.Execution.Status)
 		log.Info("a completion recorded before the park settled the attempt instead of a retry", "status", res.Execution.Status)
 	case res.Decision == execution.RetrySchedule:
 		c.stats.retried.Add(1)
 		log.Debug("retry scheduled", "class", f.Class, "due_at", res.DueAt)
 	case res.Decision == execution.RetryExhausted:
 		c.stats.failed.Add(1)
+		c.settledAs(ctx, execution.StatusFailed)
 		log.Info("attempts exhausted", "class", f.Class)
 	default:
 		c.stats.budgetTimeouts.Add(1)
+		c.settledAs(ctx, execution.StatusTimedOut)
 		log.Info("async budget exhausted", "class", f.Class)
 	}
 }
@@ -417,6 +439,7 @@ func (c *Consumer) park(ctx context.Context, log *slog.Logger, e execution.Execu
 	case err != nil:
 		log.Warn("park not written before shutdown; the lease will expire", "error", err)
 	case res.Released:
+		c.settledAs(ctx, res.Execution.Status)
 		log.Info("completion recorded before the park released", "status", res.Execution.Status)
 	default:
 		c.stats.parked.Add(1)

@@ -18,6 +18,7 @@ import (
 	"github.com/stretchr/testify/require"
 	"github.com/twmb/franz-go/pkg/kgo"
 	"github.com/twmb/franz-go/pkg/kmsg"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
@@ -80,6 +81,13 @@ type pipeline struct {
 // fresh database, an embedded Kafka and a fake adapter.
 func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), opts ...func(*config.Config)) *pipeline {
 	t.Helper()
+	return startPipelineMetered(t, answer, nil, opts...)
+}
+
+// startPipelineMetered is startPipeline recording the dispatcher's and the
+// consumer's metrics on mp (nil: the global provider).
+func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), mp metric.MeterProvider, opts ...func(*config.Config)) *pipeline {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	url := pgtest.NewDatabase(t, func(ctx context.Context, url string) error {
 		_, err := pgstore.Migrate(ctx, url, nil)
@@ -123,11 +131,22 @@ func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapte
 			require.NoError(t, kafka.EnsureTopic(ctx, prod, cp.Await.ResponseTopic, 2))
 		}
 	}
-	d := dispatcher.New(st, prod, cfg.Dispatcher, topic, "d1", logger)
+	var dopts []dispatcher.Option
+	var copts []consumer.Option
+	if mp != nil {
+		dopts = append(dopts, dispatcher.WithMeterProvider(mp))
+		copts = append(copts, consumer.WithMeterProvider(mp))
+	}
+	d := dispatcher.New(st, prod, cfg.Dispatcher, topic, "d1", logger, dopts...)
 	offsets := consumer.NewOffsetTracker()
 	cons, err := kafka.NewClient(cfg.Kafka.Brokers, logger, consumer.ClientOpts(cfg, offsets, logger)...)
 	require.NoError(t, err)
-	c := consumer.New(st, cons, cfg, offsets, "w1", logger)
+	c := consumer.New(st, cons, cfg, offsets, "w1", logger, copts...)
+	if mp != nil {
+		stopLag, err := c.ObserveLag()
+		require.NoError(t, err)
+		t.Cleanup(stopLag)
+	}
 
 	runs := []func(context.Context) error{d.Run, c.Run, func(ctx context.Context) error { return c.Reap(ctx, cfg.Consumer.ReapInterval) }}
 	var closers []func()

@@ -52,7 +52,7 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 		if cp, ok := c.cfg.Lookup(l.Capability); ok {
 			policy = cp.Policy()
 		}
-		_, err := c.store.AttemptRetry(ctx, pgstore.RetryParams{
+		res, err := c.store.AttemptRetry(ctx, pgstore.RetryParams{
 			ExecutionID: l.ExecutionID,
 			Fence:       pgstore.Fence{Attempt: l.Attempt, LeaseToken: l.LeaseToken},
 			Failure: execution.Failure{Class: execution.ClassLeaseExpired, Retryable: true,
@@ -68,6 +68,16 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 			c.logger.Warn("reaping an expired lease failed; next sweep retries", "execution_id", l.ExecutionID, "error", err)
 		default:
 			c.stats.reaped.Add(1)
+			c.m.reaps.Add(ctx, 1)
+			c.attempt(ctx, outcomeLeaseExpired, execution.ClassLeaseExpired)
+			switch {
+			case res.Released:
+				c.settledAs(ctx, res.Execution.Status)
+			case res.Decision == execution.RetryExhausted:
+				c.settledAs(ctx, execution.StatusFailed)
+			case res.Decision == execution.RetryBudgetExceeded:
+				c.settledAs(ctx, execution.StatusTimedOut)
+			}
 			c.logger.Info("expired lease reaped", "execution_id", l.ExecutionID, "attempt", l.Attempt)
 		}
 	}
@@ -102,6 +112,7 @@ func (c *Consumer) ReapOnce(ctx context.Context) error {
 			c.logger.Warn("settling a passed budget failed; next sweep retries", "execution_id", b.ExecutionID, "error", err)
 		default:
 			c.stats.budgetTimeouts.Add(1)
+			c.settledAs(ctx, execution.StatusTimedOut)
 			c.logger.Info("async budget passed", "execution_id", b.ExecutionID)
 		}
 	}
@@ -123,6 +134,9 @@ func (c *Consumer) reapSync(ctx context.Context, l pgstore.LeaseExpired) {
 		c.logger.Warn("reap of a SYNC execution failed", "execution_id", l.ExecutionID, "error", err)
 	default:
 		c.stats.reaped.Add(1)
+		c.m.reaps.Add(ctx, 1)
+		c.attempt(ctx, outcomeLeaseExpired, execution.ClassLeaseExpired)
+		c.settledAs(ctx, execution.StatusFailed)
 		c.logger.Info("expired SYNC execution settled FAILED", "execution_id", l.ExecutionID)
 	}
 }

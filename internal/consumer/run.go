@@ -2,12 +2,13 @@ package consumer
 
 import (
 	"context"
-
 	"errors"
 	"fmt"
-	"github.com/twmb/franz-go/pkg/kgo"
 	"log/slog"
 	"os"
+
+	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
 
 	"github.com/capstan-dev/capstan/internal/admission"
 	"github.com/capstan-dev/capstan/internal/config"
@@ -39,6 +40,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		owner = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
 	c := New(store, client, cfg, offsets, owner, logger)
+	if stop, err := c.ObserveLag(); err != nil {
+		logger.Warn("consumer lag gauge not registered", "error", err)
+	} else {
+		defer stop()
+	}
 
 	// The await transports: a sender for pushed interactions, and a
 	// consumer of the kafka transport's response topics.
@@ -78,6 +84,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	health := daemon.NewHealth(func(ctx context.Context) error {
 		return errors.Join(store.Ping(ctx), kafka.Ping(ctx, client))
 	})
+	if stop, err := health.Instrument(otel.GetMeterProvider(), "consumer"); err != nil {
+		logger.Warn("readiness gauge not registered", "error", err)
+	} else {
+		defer stop()
+	}
 	admin, err := daemon.Listen(cfg.Consumer.AdminListen)
 	if err != nil {
 		return err
@@ -86,6 +97,7 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	g, gctx := daemon.NewGroup(ctx)
 	g.Go(func() error { return c.Run(gctx) })
 	g.Go(func() error { return c.Reap(gctx, cfg.Consumer.ReapInterval) })
+	g.Go(func() error { health.Watch(gctx, daemon.HealthInterval); return nil })
 	if sender != nil {
 		g.Go(func() error { return sender.Run(gctx) })
 	}

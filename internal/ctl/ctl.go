@@ -49,6 +49,8 @@ Commands:
                                         run the embedded stack; with --demo-input, run the
                                         csv-payments demo on F and stop when it finishes;
                                         M is direct (default), webhook or kafka
+  config print [--config PATH]          print the effective configuration (file + CAPSTAN_*
+                                        variables, defaults applied) as YAML, secrets masked
 
 Database commands use --database-url or DATABASE_URL. consumers and events call the
 gateway's admin API: --admin-addr (CAPSTAN_ADMIN_ADDR, default 127.0.0.1:7233) and
@@ -74,6 +76,8 @@ func Main(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		return events(ctx, args[1:], stdout)
 	case "dev":
 		return dev(ctx, args[1:], stdout, stderr)
+	case "config":
+		return configCmd(args[1:], stdout)
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
 		return nil

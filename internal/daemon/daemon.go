@@ -18,16 +18,20 @@ import (
 	"syscall"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/reflection"
 
 	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/telemetry"
 )
 
 // NewLogger returns a JSON (or text) slog logger at the configured level
-// writing to w, with a "component" attribute.
+// writing to w, with a "component" attribute, and trace_id and span_id on
+// records logged with a context that carries a span (telemetry.TraceHandler).
 func NewLogger(w io.Writer, c config.Log, component string) *slog.Logger {
 	var lvl slog.Level
 	_ = lvl.UnmarshalText([]byte(c.Level))
@@ -38,7 +42,7 @@ func NewLogger(w io.Writer, c config.Log, component string) *slog.Logger {
 	} else {
 		h = slog.NewJSONHandler(w, opts)
 	}
-	return slog.New(h).With("component", component)
+	return slog.New(telemetry.NewTraceHandler(h)).With("component", component)
 }
 
 // SignalContext returns a context cancelled on SIGINT or SIGTERM.
@@ -51,11 +55,51 @@ type ReadyFunc func(ctx context.Context) error
 
 // Health tracks readiness for /readyz and the gRPC health service.
 type Health struct {
-	grpc  *health.Server
-	ready ReadyFunc
-	mu    sync.Mutex
-	last  error
+	grpc    *health.Server
+	ready   ReadyFunc
+	metrics http.Handler
+	mu      sync.Mutex
+	checked bool
+	last    error
 }
+
+// MetricReadyzStatus is the readiness gauge (OpenTelemetry name; scraped
+// as capstan_readyz_status): 1 when the last readiness check passed, 0
+// when it failed or none ran yet, with attribute component.
+const MetricReadyzStatus = "capstan.readyz.status"
+
+// Instrument registers the MetricReadyzStatus gauge for component on mp,
+// observing the result of the last Check (run by Watch every
+// HealthInterval and by every /readyz). It returns a function that
+// unregisters the gauge.
+func (h *Health) Instrument(mp metric.MeterProvider, component string) (func(), error) {
+	m := mp.Meter("github.com/capstan-dev/capstan/internal/daemon")
+	g, err := m.Int64ObservableGauge(MetricReadyzStatus,
+		metric.WithDescription("1 when the last readiness check passed, 0 otherwise."))
+	if err != nil {
+		return nil, fmt.Errorf("readyz gauge: %w", err)
+	}
+	attrs := metric.WithAttributes(attribute.String("component", component))
+	reg, err := m.RegisterCallback(func(_ context.Context, o metric.Observer) error {
+		h.mu.Lock()
+		ok := h.checked && h.last == nil
+		h.mu.Unlock()
+		var v int64
+		if ok {
+			v = 1
+		}
+		o.ObserveInt64(g, v, attrs)
+		return nil
+	}, g)
+	if err != nil {
+		return nil, fmt.Errorf("readyz gauge: %w", err)
+	}
+	return func() { _ = reg.Unregister() }, nil
+}
+
+// SetMetrics makes Handler serve m at /metrics instead of
+// telemetry.MetricsHandler (the process's installed registry).
+func (h *Health) SetMetrics(m http.Handler) { h.metrics = m }
 
 // NewHealth returns a Health that asks ready on every /readyz and every
 // Refresh.
@@ -69,7 +113,7 @@ func (h *Health) Check(ctx context.Context) error {
 	defer cancel()
 	err := h.ready(ctx)
 	h.mu.Lock()
-	h.last = err
+	h.checked, h.last = true, err
 	h.mu.Unlock()
 	st := healthpb.HealthCheckResponse_SERVING
 	if err != nil {
@@ -94,10 +138,17 @@ func (h *Health) Watch(ctx context.Context, interval time.Duration) {
 	}
 }
 
-// Handler serves /healthz (always 200 while the process runs) and /readyz
-// (200 when ready, 503 with the reason otherwise).
+// Handler serves /healthz (always 200 while the process runs), /readyz
+// (200 when ready, 503 with the reason otherwise) and /metrics (the
+// Prometheus exposition of the handler given to SetMetrics, by default the
+// installed telemetry's; 404 when none is installed).
 func (h *Health) Handler() http.Handler {
 	mux := http.NewServeMux()
+	m := h.metrics
+	if m == nil {
+		m = telemetry.MetricsHandler()
+	}
+	mux.Handle("GET /metrics", m)
 	mux.HandleFunc("GET /healthz", func(w http.ResponseWriter, _ *http.Request) {
 		_, _ = io.WriteString(w, "ok\n")
 	})

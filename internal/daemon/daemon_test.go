@@ -18,6 +18,7 @@ import (
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 
 	"github.com/capstan-dev/capstan/internal/daemon"
+	"github.com/capstan-dev/capstan/internal/telemetry/telemetrytest"
 	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
 )
 
@@ -91,4 +92,42 @@ func TestReadyz(t *testing.T) {
 	require.Contains(t, body, "schema version")
 	code, _ = get("/healthz")
 	require.Equal(t, http.StatusOK, code, "alive while not ready")
+}
+
+// TestMetricsEndpoint: /metrics on the admin handler serves the given
+// registry, including the readiness gauge; without one it is 404.
+func TestMetricsEndpoint(t *testing.T) {
+	t.Parallel()
+	h := daemon.NewHealth(func(context.Context) error { return nil })
+	rec := httptest.NewRecorder()
+	h.Handler().ServeHTTP(rec, httptest.NewRequest(http.MethodGet, "/metrics", nil))
+	require.Equal(t, http.StatusNotFound, rec.Code, "no telemetry installed in this process")
+
+	var ready error
+	h = daemon.NewHealth(func(context.Context) error { return ready })
+	tm := telemetrytest.New(t)
+	stop, err := h.Instrument(tm.MeterProvider, "gateway")
+	require.NoError(t, err)
+	defer stop()
+	h.SetMetrics(tm.Handler)
+	tests := []struct {
+		name  string
+		check bool
+		ready error
+		want  float64
+	}{
+		{"before any check", false, nil, 0},
+		{"ready", true, nil, 1},
+		{"not ready", true, errors.New("database down"), 0},
+	}
+	for _, tt := range tests { // sequential: each step builds on the last
+		ready = tt.ready
+		if tt.check {
+			_ = h.Check(context.Background())
+		}
+		s := telemetrytest.Scrape(t, h.Handler())
+		got, found := s.Sum("capstan_readyz_status", map[string]string{"component": "gateway"})
+		require.True(t, found, tt.name)
+		require.Equal(t, tt.want, got, tt.name)
+	}
 }

@@ -22,6 +22,7 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
@@ -43,12 +44,22 @@ type Dispatcher struct {
 	published atomic.Int64
 	passes    atomic.Int64
 	lastPass  atomic.Int64 // unix nanos of the last successful pass: the heartbeat
+
+	mp metric.MeterProvider
+	m  metrics
 }
 
 // New returns a dispatcher that publishes to topic with client.
-func New(store *pgstore.Store, client *kgo.Client, cfg config.Dispatcher, topic, owner string, logger *slog.Logger) *Dispatcher {
-	return &Dispatcher{store: store, client: client, cfg: cfg, topic: topic, owner: owner, logger: logger,
+func New(store *pgstore.Store, client *kgo.Client, cfg config.Dispatcher, topic, owner string, logger *slog.Logger, opts ...Option) *Dispatcher {
+	d := &Dispatcher{store: store, client: client, cfg: cfg, topic: topic, owner: owner, logger: logger,
 		wake: make(chan struct{}, 1)}
+	for _, o := range opts {
+		o(d)
+	}
+	if err := d.initMetrics(); err != nil {
+		logger.Warn("metrics not fully registered", "error", err)
+	}
+	return d
 }
 
 // Nudge asks for a pass now; nudges made while one is pending coalesce.
@@ -154,8 +165,10 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		krecs = append(krecs, &kgo.Record{Topic: d.topic, Key: []byte(r.ExecutionID.String()), Value: v})
 	}
 	idOf := make(map[*kgo.Record]uuid.UUID, len(recs))
+	dueOf := make(map[*kgo.Record]time.Time, len(recs))
 	for i, kr := range krecs {
 		idOf[kr] = recs[i].ID
+		dueOf[kr] = recs[i].DueAt
 	}
 	// ProduceSync returns results in completion order, not send order: map
 	// each result back through its record, so only what was published is
@@ -172,6 +185,7 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		}
 		if id, ok := idOf[res.Record]; ok {
 			published = append(published, id)
+			d.m.lag.Record(ctx, max(time.Since(dueOf[res.Record]), 0).Seconds())
 		}
 	}
 	if len(published) > 0 {
@@ -181,6 +195,7 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		deleted, err := d.store.DispatchDelete(dctx, published, token)
 		cancel()
 		d.published.Add(int64(len(published)))
+		d.m.dispatched.Add(ctx, int64(len(published)))
 		if err != nil {
 			return len(recs), errors.Join(err, firstErr)
 		}

@@ -8,6 +8,7 @@ import (
 	"os"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
 
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/daemon"
@@ -42,6 +43,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	health := daemon.NewHealth(func(ctx context.Context) error {
 		return errors.Join(store.Ping(ctx), kafka.Ping(ctx, client))
 	})
+	if stop, err := health.Instrument(otel.GetMeterProvider(), "dispatcher"); err != nil {
+		logger.Warn("readiness gauge not registered", "error", err)
+	} else {
+		defer stop()
+	}
 	srv := daemon.NewGRPCServer(health)
 	dispatchv1.RegisterDispatcherServiceServer(srv, NewNudgeServer(d))
 	lis, err := daemon.Listen(cfg.Dispatcher.Listen)

@@ -15,6 +15,8 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/metric"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/capstan-dev/capstan/internal/adapterclient"
@@ -37,11 +39,13 @@ type ExecutionService struct {
 	cfg      *config.Config
 	nudge    func()
 	logger   *slog.Logger
+	mp       metric.MeterProvider
+	accepted metric.Int64Counter
 }
 
 // NewExecutionService returns the service; nudge (may be nil) is called
 // after every commit of new work; a nil logger discards.
-func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(), logger *slog.Logger) *ExecutionService {
+func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(), logger *slog.Logger, opts ...ServiceOption) *ExecutionService {
 	if nudge == nil {
 		nudge = func() {}
 	}
@@ -49,8 +53,15 @@ func NewExecutionService(store *pgstore.Store, cfg *config.Config, nudge func(),
 		logger = slog.New(slog.DiscardHandler)
 	}
 	host, _ := os.Hostname()
-	return &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger, adapters: adapterclient.NewPool(),
+	s := &ExecutionService{store: store, cfg: cfg, nudge: nudge, logger: logger, adapters: adapterclient.NewPool(),
 		owner: fmt.Sprintf("gateway-%s-%d", host, os.Getpid())}
+	for _, o := range opts {
+		o(s)
+	}
+	if err := s.initMetrics(); err != nil {
+		logger.Warn("metrics not fully registered", "error", err)
+	}
+	return s
 }
 
 // Close releases the adapter connections of SYNC releases.
@@ -122,6 +133,12 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 		return nil, err
 	}
 	acceptance := executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_DUPLICATE
+	label := "duplicate"
+	if created {
+		label = "accepted"
+	}
+	s.accepted.Add(ctx, 1, metric.WithAttributes(attribute.String("capability", capb.Name),
+		attribute.String("mode", string(policy.Mode)), attribute.String("acceptance", label)))
 	if created {
 		acceptance = executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_ACCEPTED
 		if policy.Mode == execution.ModeSync {

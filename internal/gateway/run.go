@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 
+	"go.opentelemetry.io/otel"
 	"google.golang.org/grpc"
 
 	"github.com/capstan-dev/capstan/internal/admin"
@@ -33,6 +34,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		return fmt.Errorf("dispatcher client: %w", err)
 	}
 	health := daemon.NewHealth(store.Ping)
+	if stop, err := health.Instrument(otel.GetMeterProvider(), "gateway"); err != nil {
+		logger.Warn("readiness gauge not registered", "error", err)
+	} else {
+		defer stop()
+	}
 	srv := daemon.NewGRPCServer(health,
 		grpc.ChainUnaryInterceptor(rpcerr.UnaryServerInterceptor(), authInterceptor(store),
 			admin.AuthInterceptor(cfg.Gateway.AdminToken)),

@@ -39,6 +39,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		return fmt.Errorf("router: admin: %w", err)
 	}
 	health := daemon.NewHealth(store.Ping)
+	if stop, err := health.Instrument(otel.GetMeterProvider(), "router"); err != nil {
+		logger.Warn("readiness gauge not registered", "error", err)
+	} else {
+		defer stop()
+	}
 	g, gctx := daemon.NewGroup(ctx)
 	if lis != nil {
 		logger.InfoContext(ctx, "admin http listening", "addr", lis.Addr().String())
@@ -58,6 +63,7 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	}
 	r := New(store, cfg.Router, logger, opts...)
 	g.Go(func() error { return r.Run(gctx) })
+	g.Go(func() error { health.Watch(gctx, daemon.HealthInterval); return nil })
 	if err := g.Wait(); err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
