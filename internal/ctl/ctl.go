@@ -48,7 +48,7 @@ Commands:
   dev [--demo-input F] [--demo-mode M] [--bin-dir D]
                                         run the embedded stack; with --demo-input, run the
                                         csv-payments demo on F and stop when it finishes;
-                                        M is direct (default), webhook or kafka
+                                        M is direct (default), webhook, kafka or callback
   config print [--config PATH]          print the effective configuration (file + CAPSTAN_*
                                         variables, defaults applied) as YAML, secrets masked
 
@@ -163,15 +163,24 @@ func executionCmd(ctx context.Context, args []string, out io.Writer) error {
 	}
 	fs := flag.NewFlagSet("execution get", flag.ContinueOnError)
 	db := dbFlag(fs)
-	if err := fs.Parse(args[2:]); err != nil {
+	// The id may come before or after the flags.
+	rest := args[1:]
+	var idText string
+	if !strings.HasPrefix(rest[0], "-") {
+		idText, rest = rest[0], rest[1:]
+	}
+	if err := fs.Parse(rest); err != nil {
 		return ErrUsage
+	}
+	if idText == "" && fs.NArg() > 0 {
+		idText = fs.Arg(0)
 	}
 	if err := need("database-url", *db); err != nil {
 		return err
 	}
-	id, err := uuid.Parse(args[1])
+	id, err := uuid.Parse(idText)
 	if err != nil {
-		return fmt.Errorf("%w: execution id %q is not a UUID", ErrUsage, args[1])
+		return fmt.Errorf("%w: execution id %q is not a UUID", ErrUsage, idText)
 	}
 	st, err := pgstore.Open(ctx, *db, nil)
 	if err != nil {

@@ -54,6 +54,9 @@ func TestMigrateAppAndExecution(t *testing.T) {
 	out, err = run(t, "execution", "get", e.ID.String(), "--database-url", url)
 	require.NoError(t, err)
 	require.Contains(t, out, `"Status": "QUEUED"`)
+	out, err = run(t, "execution", "get", "--database-url", url, e.ID.String())
+	require.NoError(t, err, "the id may follow the flags")
+	require.Contains(t, out, e.ID.String())
 	require.NotContains(t, out, "card", "payloads are not shown")
 }
 

@@ -182,7 +182,7 @@ func Run(ctx context.Context, o Options) (err error) {
 		gateway: ports[0], gatewayAdmin: ports[1], dispatcher: ports[2], dispatcherAdmin: ports[3],
 		consumerAdmin: ports[4], routerAdmin: ports[5], provider: ports[6], app: ports[7],
 		gatewayHTTP: ports[8], providerHTTP: ports[9], providerAdmin: ports[10],
-		dbURL: dbURL, brokers: brokers, mode: o.DemoMode,
+		dbURL: dbURL, brokers: brokers, mode: o.DemoMode, adminToken: randomKey("adm_"),
 	}
 	s.secrets()
 	cfgPath := filepath.Join(runDir, "capstan.yaml")
@@ -251,7 +251,11 @@ func Run(ctx context.Context, o Options) (err error) {
 		"APP_WEBHOOK_SECRET=" + secret,
 	}
 	if o.DemoInput == "" {
-		fmt.Fprintf(o.Out, "application csv-payments-demo: %s\nPress Ctrl-C to stop.\n", strings.Join(appEnv[:2], " "))
+		fmt.Fprintf(o.Out, "application csv-payments-demo: %s\n", strings.Join(appEnv[:2], " "))
+		fmt.Fprintf(o.Out, "operator API: CAPSTAN_ADMIN_ADDR=127.0.0.1:%d CAPSTAN_ADMIN_TOKEN=%s (capstanctl consumers/events)\n", s.gateway, s.adminToken)
+		fmt.Fprintf(o.Out, "note: the application's webhook consumer %s has no listener without --demo-input; its events retry and end DEAD (replayable)\n",
+			fmt.Sprintf("http://127.0.0.1:%d/events", s.app))
+		fmt.Fprintln(o.Out, "Press Ctrl-C to stop.")
 		<-ctx.Done()
 		return nil
 	}
@@ -291,6 +295,9 @@ type stack struct {
 	// webhook mode; callbackSecret signs resume tokens (await modes) and
 	// callback tokens (callback mode).
 	awaitSecret, callbackSecret string
+	// adminToken enables the gateway's admin API (capstanctl consumers and
+	// events) for this run.
+	adminToken string
 	// adapterKey is the provider's key for AdapterCallbackService
 	// (callback mode); the configuration holds only its SHA-256.
 	adapterKey string
@@ -405,6 +412,7 @@ gateway:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
   dispatcher_addr: 127.0.0.1:%d
+  admin_token: %q
 %sdispatcher:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
@@ -431,7 +439,7 @@ capabilities:
     lease_duration: 10s
     async_budget: 10m
 %s%s`, s.mode, top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
-		s.gateway, s.gatewayAdmin, s.dispatcher, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider,
+		s.gateway, s.gatewayAdmin, s.dispatcher, s.adminToken, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider,
 		s.adapterKeyConfig(), s.awaitConfig())
 }
 

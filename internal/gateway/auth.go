@@ -2,6 +2,7 @@ package gateway
 
 import (
 	"context"
+	"fmt"
 	"strings"
 
 	"google.golang.org/grpc"
@@ -42,11 +43,11 @@ func authenticate(ctx context.Context, store *pgstore.Store) (pgstore.Applicatio
 	md, _ := metadata.FromIncomingContext(ctx)
 	vals := md.Get("authorization")
 	if len(vals) != 1 {
-		return pgstore.Application{}, execution.ErrUnauthenticated
+		return pgstore.Application{}, fmt.Errorf("%w: want one \"authorization: Bearer <api key>\" metadata entry", execution.ErrUnauthenticated)
 	}
 	key, ok := strings.CutPrefix(vals[0], "Bearer ")
 	if !ok || key == "" || len(key) > 512 {
-		return pgstore.Application{}, execution.ErrUnauthenticated
+		return pgstore.Application{}, fmt.Errorf("%w: authorization: want \"Bearer <api key>\"", execution.ErrUnauthenticated)
 	}
 	return store.ApplicationByAPIKey(ctx, key)
 }

@@ -102,7 +102,7 @@ SELECT a.id, a.name, coalesce(c.target, ''), a.version, a.created_at
  WHERE a.api_key_hash = $1`, HashAPIKey(key),
 	).Scan(&a.ID, &a.Name, &a.WebhookURL, &a.Version, &a.CreatedAt)
 	if err == pgx.ErrNoRows {
-		return Application{}, execution.ErrUnauthenticated
+		return Application{}, fmt.Errorf("%w: unknown API key", execution.ErrUnauthenticated)
 	}
 	if err != nil {
 		return Application{}, translate(fmt.Errorf("application by key: %w", err))

@@ -125,7 +125,8 @@ func translate(err error) error {
 		return err
 	}
 	if errors.Is(err, pgx.ErrNoRows) {
-		return fmt.Errorf("%w: %w", execution.ErrNotFound, err)
+		// Keep the caller's context ("get execution X"), not the driver's words.
+		return fmt.Errorf("%w: %s", execution.ErrNotFound, strings.TrimSuffix(err.Error(), ": "+pgx.ErrNoRows.Error()))
 	}
 	if isUnavailable(err) {
 		return fmt.Errorf("%w: %w", execution.ErrUnavailable, err)

@@ -55,12 +55,12 @@ type tracker struct {
 	rows       []*row
 	byExec     map[string]int
 	orphans    map[string]*eventv1.CompletionEvent // events that arrived before their invoke answer
-	seenEvents map[string]struct{}
+	seenEvents map[string]string // event id → execution id
 	pending    int
 	done       chan struct{}
 
 	invokedNew, invokedDuplicate     int
-	eventsDelivered, duplicateEvents int
+	duplicateEvents int
 }
 
 // newTracker returns a tracker for rows whose invoke answers become due
@@ -72,7 +72,7 @@ func newTracker(rows []*row, pendingAfter time.Duration) *tracker {
 		rows:         rows,
 		byExec:       make(map[string]int, len(rows)),
 		orphans:      make(map[string]*eventv1.CompletionEvent),
-		seenEvents:   make(map[string]struct{}, len(rows)),
+		seenEvents:   make(map[string]string, len(rows)),
 		pending:      len(rows),
 		done:         make(chan struct{}),
 	}
@@ -138,8 +138,7 @@ func (t *tracker) onEvent(ev *eventv1.CompletionEvent) (duplicate, known bool) {
 		t.duplicateEvents++
 		return true, true
 	}
-	t.seenEvents[ev.GetEventId()] = struct{}{}
-	t.eventsDelivered++
+	t.seenEvents[ev.GetEventId()] = ev.GetExecutionId()
 	if !client.IsTerminal(ev.GetStatus()) {
 		return false, false
 	}
@@ -199,7 +198,7 @@ func (t *tracker) counts() Summary {
 		RowsIn:           len(t.rows),
 		InvokedNew:       t.invokedNew,
 		InvokedDuplicate: t.invokedDuplicate,
-		EventsDelivered:  t.eventsDelivered,
+		EventsDelivered:  t.eventsOfThisRunLocked(),
 		DuplicateEvents:  t.duplicateEvents,
 		Pending:          t.pending,
 	}
@@ -277,4 +276,17 @@ func buildOutcome(st executionv1.ExecutionStatus, attempts int32, output []byte,
 		}
 	}
 	return o
+}
+
+// eventsOfThisRunLocked counts the unique events received for executions of
+// this run's rows (events of other executions of the same application, for
+// example from an earlier run, are not counted). t.mu must be held.
+func (t *tracker) eventsOfThisRunLocked() int {
+	n := 0
+	for _, exec := range t.seenEvents {
+		if _, ok := t.byExec[exec]; ok {
+			n++
+		}
+	}
+	return n
 }
