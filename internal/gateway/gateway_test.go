@@ -256,6 +256,7 @@ func (syncAdapter) Execute(ctx context.Context, req *adapterv1.ExecuteRequest) (
 	case "slow":
 		select { // longer than the release's attempt timeout
 		case <-ctx.Done():
+			return nil, ctx.Err()
 		case <-time.After(2 * time.Second):
 		}
 	}

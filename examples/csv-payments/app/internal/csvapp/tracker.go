@@ -55,12 +55,12 @@ type tracker struct {
 	rows       []*row
 	byExec     map[string]int
 	orphans    map[string]*eventv1.CompletionEvent // events that arrived before their invoke answer
-	seenEvents map[string]string // event id → execution id
+	seenEvents map[string]string                   // event id → execution id
 	pending    int
 	done       chan struct{}
 
-	invokedNew, invokedDuplicate     int
-	duplicateEvents int
+	invokedNew, invokedDuplicate int
+	duplicateEvents              int
 }
 
 // newTracker returns a tracker for rows whose invoke answers become due
