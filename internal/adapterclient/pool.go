@@ -5,8 +5,10 @@ package adapterclient
 
 import (
 	"context"
+	"fmt"
 	"sync"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -29,16 +31,20 @@ func (p *Pool) client(addr string) (adapterv1.AdapterServiceClient, error) {
 	if cc, ok := p.conns[addr]; ok {
 		return adapterv1.NewAdapterServiceClient(cc), nil
 	}
-	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// The otelgrpc client handler makes a span per call and carries the
+	// caller's trace context to the adapter in the gRPC metadata.
+	cc, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithStatsHandler(otelgrpc.NewClientHandler()))
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("adapter client %s: %w", addr, err)
 	}
 	p.conns[addr] = cc
 	return adapterv1.NewAdapterServiceClient(cc), nil
 }
 
-// Execute calls Execute on the adapter at addr (host:port). Errors are the
-// call's gRPC errors, unchanged, for Classify.
+// Execute calls Execute on the adapter at addr (host:port), as a client
+// span child of the span in ctx. Errors are the call's gRPC errors,
+// unchanged, for Classify.
 func (p *Pool) Execute(ctx context.Context, addr string, req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
 	cl, err := p.client(addr)
 	if err != nil {

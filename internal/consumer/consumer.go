@@ -27,18 +27,26 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/capstan-dev/capstan/internal/adapterclient"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/token"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
 )
+
+// tracer names the consumer's spans (the global tracer provider).
+var tracer = otel.Tracer("capstan/consumer")
 
 // Consumer runs attempts from the execution topic.
 type Consumer struct {
@@ -200,7 +208,14 @@ func (c *Consumer) Run(ctx context.Context) error {
 // handle processes one record and reports whether its outcome is durable
 // (so its offset may be committed). It returns false only when ctx ended
 // before the outcome could be written; the record is then redelivered.
+//
+// The work runs under an "attempt" span, child of the dispatcher's span
+// whose context the record's headers carry; the adapter call inside it is
+// a gRPC client span that passes the trace on to the adapter.
 func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
+	ctx = otel.GetTextMapPropagator().Extract(ctx, kafka.HeaderCarrier{Record: r})
+	ctx, span := tracer.Start(ctx, "attempt", trace.WithSpanKind(trace.SpanKindConsumer))
+	defer span.End()
 	var d dispatchv1.ExecutionDispatch
 	if err := proto.Unmarshal(r.Value, &d); err != nil {
 		c.stats.undecodable.Add(1)
@@ -214,6 +229,7 @@ func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
 			"execution_id", d.GetExecutionId(), "attempt", d.GetAttempt())
 		return true
 	}
+	span.SetAttributes(attribute.String("execution_id", id.String()), attribute.Int("attempt", int(d.GetAttempt())))
 	log := c.logger.With("execution_id", id, "attempt", d.GetAttempt())
 	var e execution.Execution
 	err = retryStore(ctx, log, func() error {
@@ -226,15 +242,19 @@ func (c *Consumer) handle(ctx context.Context, r *kgo.Record) bool {
 	switch {
 	case errors.Is(err, execution.ErrConflict):
 		c.stats.skipped.Add(1)
+		span.SetAttributes(attribute.Bool("skipped", true))
 		log.Debug("obsolete or duplicate dispatch skipped")
 		return true
 	case err != nil && ctx.Err() != nil:
 		return false // shutting down: leave the record to be redelivered
 	case err != nil:
 		c.stats.skipped.Add(1)
+		span.RecordError(err)
+		span.SetStatus(codes.Error, "attempt refused")
 		log.Error("attempt refused; dispatch skipped", "error", err)
 		return true
 	}
+	span.SetAttributes(attribute.String("capability", e.Capability))
 	c.stats.started.Add(1)
 	c.runAttempt(ctx, log, e)
 	return true

@@ -12,9 +12,16 @@ import (
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/telemetry"
 	"github.com/capstan-dev/capstan/internal/token"
 	"github.com/capstan-dev/capstan/pkg/adapter"
 )
@@ -88,7 +95,22 @@ func (s *InteractionSender) SendOnce(ctx context.Context) (int, error) {
 	return len(batch), nil
 }
 
-func (s *InteractionSender) send(ctx context.Context, d pgstore.InteractionDispatch) error {
+// send sends one interaction under an "await.send" span, child of the trace
+// context stored with the execution; the span's context travels as the
+// traceparent header of the webhook request or of the Kafka record.
+func (s *InteractionSender) send(ctx context.Context, d pgstore.InteractionDispatch) (err error) {
+	ctx, span := tracer.Start(telemetry.ContextWithTraceparent(ctx, d.TraceContext), "await.send",
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("execution_id", d.ExecutionID.String()), attribute.Int("attempt", d.Attempt),
+			attribute.String("capability", d.Capability), attribute.String("interaction_id", d.ID.String()),
+			attribute.String("transport", d.Transport)))
+	defer func() {
+		if err != nil {
+			span.RecordError(err)
+			span.SetStatus(codes.Error, "send failed")
+		}
+		span.End()
+	}()
 	cp, ok := s.cfg.Lookup(d.Capability)
 	if !ok || cp.Await == nil {
 		return fmt.Errorf("capability %q has no await transport configured", d.Capability)
@@ -111,6 +133,7 @@ func (s *InteractionSender) send(ctx context.Context, d pgstore.InteractionDispa
 			return err
 		}
 		hr.Header.Set("content-type", "application/json")
+		otel.GetTextMapPropagator().Inject(ctx, propagation.HeaderCarrier(hr.Header))
 		if err := adapter.SignWebhook(hr.Header, cp.Await.Secret, d.ID.String(), time.Now(), body); err != nil {
 			return err
 		}
@@ -133,6 +156,7 @@ func (s *InteractionSender) send(ctx context.Context, d pgstore.InteractionDispa
 			return err
 		}
 		rec := &kgo.Record{Topic: cp.Await.RequestTopic, Key: []byte(d.CorrelationID), Value: body}
+		otel.GetTextMapPropagator().Inject(ctx, kafka.HeaderCarrier{Record: rec})
 		return s.producer.ProduceSync(ctx, rec).FirstErr()
 	}
 	return fmt.Errorf("transport %q sends nothing", cp.Await.Transport)

@@ -11,6 +11,7 @@ import (
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 
 	"github.com/capstan-dev/capstan/internal/execution"
 )
@@ -138,6 +139,8 @@ func (c *Consumer) attempt(ctx context.Context, outcome, class string) {
 	}
 	c.m.attempts.Add(ctx, 1, metric.WithAttributes(
 		attribute.String("outcome", outcome), attribute.String("failure_class", class)))
+	// The attempt span (if ctx carries one) records the outcome too.
+	trace.SpanFromContext(ctx).SetAttributes(attribute.String("outcome", outcome), attribute.String("failure_class", class))
 }
 
 // settledAs counts one settlement.

@@ -275,3 +275,16 @@ func Addr(l net.Listener) string {
 	}
 	return l.Addr().String()
 }
+
+// Detach returns a context that outlives ctx by at most drain: it is
+// cancelled drain after ctx ends, after max in any case, or by cancel. A
+// unit of work that must not be cut in half by a shutdown signal (a claim
+// and what follows it) runs under it.
+func Detach(ctx context.Context, drain, max time.Duration) (context.Context, context.CancelFunc) {
+	d, cancel := context.WithTimeout(context.WithoutCancel(ctx), max)
+	stop := context.AfterFunc(ctx, func() {
+		t := time.AfterFunc(drain, cancel)
+		context.AfterFunc(d, func() { t.Stop() })
+	})
+	return d, func() { stop(); cancel() }
+}

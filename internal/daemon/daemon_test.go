@@ -131,3 +131,19 @@ func TestMetricsEndpoint(t *testing.T) {
 		require.Equal(t, tt.want, got, tt.name)
 	}
 }
+
+func TestDetach(t *testing.T) {
+	parent, stop := context.WithCancel(context.Background())
+	d, cancel := daemon.Detach(parent, 50*time.Millisecond, time.Minute)
+	defer cancel()
+	stop()
+	require.NoError(t, d.Err(), "the work outlives the signal…")
+	select {
+	case <-d.Done():
+	case <-time.After(5 * time.Second):
+		t.Fatal("…but only by the drain")
+	}
+	d2, cancel2 := daemon.Detach(context.Background(), time.Hour, time.Hour)
+	cancel2()
+	require.Error(t, d2.Err(), "cancel ends it at once")
+}

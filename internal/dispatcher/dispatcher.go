@@ -22,12 +22,19 @@ import (
 
 	"github.com/google/uuid"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/daemon"
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/telemetry"
 	dispatchv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/dispatch/v1"
 )
 
@@ -91,7 +98,12 @@ func (d *Dispatcher) Stats() Stats {
 func (d *Dispatcher) Run(ctx context.Context) error {
 	failures := 0
 	for ctx.Err() == nil {
-		n, err := d.pass(ctx)
+		// A pass runs under a detached context, bounded by passTimeout: a
+		// SIGTERM that lands between the claim and the delete must not
+		// leave claimed records unpublished until their claims expire.
+		pctx, pcancel := daemon.Detach(ctx, passDrain, passTimeout)
+		n, err := d.pass(pctx)
+		pcancel()
 		if err != nil {
 			if ctx.Err() != nil {
 				break
@@ -139,8 +151,13 @@ func (d *Dispatcher) sleep(ctx context.Context, wait time.Duration, wakeable boo
 	}
 }
 
+// tracer names the dispatcher's spans (the global tracer provider).
+var tracer = otel.Tracer("capstan/dispatcher")
+
 // pass claims one batch, publishes it and deletes what was published. It
-// returns how many records it claimed.
+// returns how many records it claimed. Each record is published under a
+// "dispatch" span, child of the trace context stored with the record, and
+// that span's context travels in the Kafka record's headers.
 func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 	recs, token, err := d.store.DispatchClaim(ctx, pgstore.DispatchClaimParams{
 		Owner: d.owner, Limit: d.cfg.BatchSize, ClaimFor: d.cfg.ClaimTTL, Lookahead: d.cfg.Lookahead,
@@ -154,6 +171,12 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		return 0, nil
 	}
 	krecs := make([]*kgo.Record, 0, len(recs))
+	spans := make([]trace.Span, 0, len(recs))
+	defer func() {
+		for _, sp := range spans {
+			sp.End() // no-op for spans already ended with their result
+		}
+	}()
 	for _, r := range recs {
 		v, err := proto.Marshal(&dispatchv1.ExecutionDispatch{
 			DispatchId: r.ID.String(), ExecutionId: r.ExecutionID.String(),
@@ -162,7 +185,18 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 		if err != nil {
 			return len(recs), err
 		}
-		krecs = append(krecs, &kgo.Record{Topic: d.topic, Key: []byte(r.ExecutionID.String()), Value: v})
+		kr := &kgo.Record{Topic: d.topic, Key: []byte(r.ExecutionID.String()), Value: v}
+		sctx, span := tracer.Start(telemetry.ContextWithTraceparent(ctx, r.TraceContext), "dispatch",
+			trace.WithSpanKind(trace.SpanKindProducer),
+			trace.WithAttributes(attribute.String("execution_id", r.ExecutionID.String()),
+				attribute.Int("attempt", r.Attempt), attribute.String("messaging.destination.name", d.topic)))
+		otel.GetTextMapPropagator().Inject(sctx, kafka.HeaderCarrier{Record: kr})
+		krecs = append(krecs, kr)
+		spans = append(spans, span)
+	}
+	spanOf := make(map[*kgo.Record]trace.Span, len(recs))
+	for i, kr := range krecs {
+		spanOf[kr] = spans[i]
 	}
 	idOf := make(map[*kgo.Record]uuid.UUID, len(recs))
 	dueOf := make(map[*kgo.Record]time.Time, len(recs))
@@ -177,6 +211,13 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 	published := make([]uuid.UUID, 0, len(recs))
 	var firstErr error
 	for _, res := range results {
+		if sp := spanOf[res.Record]; sp != nil {
+			if res.Err != nil {
+				sp.RecordError(res.Err)
+				sp.SetStatus(codes.Error, "publish failed")
+			}
+			sp.End()
+		}
 		if res.Err != nil {
 			if firstErr == nil {
 				firstErr = res.Err
@@ -209,3 +250,11 @@ func (d *Dispatcher) pass(ctx context.Context) (int, error) {
 	}
 	return len(recs), nil
 }
+
+// passTimeout bounds one pass (claim, publish, delete), which runs detached
+// from the shutdown signal so that it finishes what it claimed; passDrain
+// is how long it may go on after the signal (inside daemon.Grace).
+const (
+	passTimeout = 30 * time.Second
+	passDrain   = 5 * time.Second
+)

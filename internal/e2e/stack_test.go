@@ -75,6 +75,13 @@ type stackOptions struct {
 	// SessionTimeout is consumer.session_timeout. Default 6s (the
 	// regression test checks that a 2s one works too).
 	SessionTimeout time.Duration
+	// Env is added to the environment of every process of the stack,
+	// the provider included (e.g. OTEL_TRACES_EXPORTER=console).
+	Env []string
+	// SeparateStdout writes each process's standard output to
+	// <dir>/<name>.stdout (proc.stdoutPath) instead of its log, which then
+	// holds standard error only.
+	SeparateStdout bool
 }
 
 func (o *stackOptions) defaults() {
@@ -309,19 +316,36 @@ func (s *stack) start(name, bin, readyURL string, env []string, args ...string) 
 	require.NoError(s.t, err)
 	cmd := exec.Command(filepath.Join(s.bin, bin), args...)
 	cmd.Dir = s.dir
-	cmd.Env = append(os.Environ(), env...)
+	cmd.Env = append(append(os.Environ(), s.opts.Env...), env...)
 	cmd.Stdout, cmd.Stderr = f, f
+	var stdoutPath string
+	var out *os.File
+	if s.opts.SeparateStdout {
+		stdoutPath = strings.TrimSuffix(logPath, ".log") + ".stdout"
+		out, err = os.Create(stdoutPath)
+		if err != nil {
+			f.Close()
+			require.NoError(s.t, err)
+		}
+		cmd.Stdout = out
+	}
 	// Own process group (a terminal's Ctrl-C reaches only the test), and
 	// SIGKILL should the test binary die.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {
 		f.Close()
+		if out != nil {
+			out.Close()
+		}
 		require.NoError(s.t, err, "start %s", name)
 	}
-	p := &proc{name: name, logPath: logPath, readyURL: readyURL, cmd: cmd, done: make(chan struct{})}
+	p := &proc{name: name, logPath: logPath, stdoutPath: stdoutPath, readyURL: readyURL, cmd: cmd, done: make(chan struct{})}
 	go func() {
 		p.err = cmd.Wait()
 		f.Close()
+		if out != nil {
+			out.Close()
+		}
 		close(p.done)
 	}()
 	s.mu.Lock()
@@ -365,12 +389,13 @@ func (s *stack) cleanup() {
 
 // proc is one OS process of a stack.
 type proc struct {
-	name     string
-	logPath  string
-	readyURL string
-	cmd      *exec.Cmd
-	done     chan struct{} // closed when the process has exited
-	err      error         // cmd.Wait's result, valid after done
+	name       string
+	logPath    string
+	stdoutPath string // "" unless stackOptions.SeparateStdout
+	readyURL   string
+	cmd        *exec.Cmd
+	done       chan struct{} // closed when the process has exited
+	err        error         // cmd.Wait's result, valid after done
 }
 
 func (p *proc) exited() bool {

@@ -24,6 +24,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/rpcerr"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/telemetry"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
 
@@ -125,6 +126,9 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 		Status:         status,
 		LeaseOwner:     s.owner,
 		LeaseFor:       leaseFor,
+		// The RPC's span (otelgrpc): dispatch, attempts and the completion
+		// event continue its trace.
+		TraceContext: telemetry.Traceparent(ctx),
 	})
 	if err != nil {
 		if !errors.Is(err, execution.ErrIdempotencyConflict) {

@@ -7,6 +7,7 @@ import (
 	"net"
 	"net/http"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"go.opentelemetry.io/otel"
 	"google.golang.org/grpc"
 
@@ -40,6 +41,10 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		defer stop()
 	}
 	srv := daemon.NewGRPCServer(health,
+		// A server span per RPC (the global tracer provider); the span of
+		// InvokeCapability is the root of the execution's trace unless the
+		// caller sent a traceparent.
+		grpc.StatsHandler(otelgrpc.NewServerHandler()),
 		grpc.ChainUnaryInterceptor(rpcerr.UnaryServerInterceptor(), authInterceptor(store),
 			admin.AuthInterceptor(cfg.Gateway.AdminToken)),
 		grpc.ChainStreamInterceptor(authStreamInterceptor(store)),

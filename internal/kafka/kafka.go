@@ -12,6 +12,7 @@ import (
 	"github.com/twmb/franz-go/pkg/kadm"
 	"github.com/twmb/franz-go/pkg/kerr"
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel/propagation"
 )
 
 // NewClient returns a client for brokers with the given extra options. It
@@ -68,4 +69,44 @@ func (a *slogAdapter) Log(level kgo.LogLevel, msg string, keyvals ...any) {
 		lvl = slog.LevelDebug
 	}
 	a.l.Log(context.Background(), lvl, "kafka: "+msg, keyvals...)
+}
+
+// HeaderCarrier adapts the headers of a Kafka record to
+// propagation.TextMapCarrier, so the global propagator can inject a span
+// context into a record (traceparent header) and extract it again.
+type HeaderCarrier struct {
+	// Record is the record whose headers are read and written.
+	Record *kgo.Record
+}
+
+var _ propagation.TextMapCarrier = HeaderCarrier{}
+
+// Get returns the value of the first header named key, or "".
+func (c HeaderCarrier) Get(key string) string {
+	for _, h := range c.Record.Headers {
+		if h.Key == key {
+			return string(h.Value)
+		}
+	}
+	return ""
+}
+
+// Set replaces every header named key with one holding value.
+func (c HeaderCarrier) Set(key, value string) {
+	hs := c.Record.Headers[:0:0]
+	for _, h := range c.Record.Headers {
+		if h.Key != key {
+			hs = append(hs, h)
+		}
+	}
+	c.Record.Headers = append(hs, kgo.RecordHeader{Key: key, Value: []byte(value)})
+}
+
+// Keys returns the header names.
+func (c HeaderCarrier) Keys() []string {
+	out := make([]string, 0, len(c.Record.Headers))
+	for _, h := range c.Record.Headers {
+		out = append(out, h.Key)
+	}
+	return out
 }

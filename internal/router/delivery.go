@@ -14,7 +14,14 @@ import (
 	"unicode"
 	"unicode/utf8"
 
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
+	"github.com/capstan-dev/capstan/internal/telemetry"
 )
 
 // Limits on what a delivery reads back and records.
@@ -61,10 +68,38 @@ func failed(code int, reason string) attemptResult {
 	return attemptResult{StatusCode: code, Reason: reason, Error: reason}
 }
 
+// tracer names the router's spans (the global tracer provider).
+var tracer = otel.Tracer("capstan/router")
+
 // deliver makes one delivery attempt of ev to its application's consumer as
 // claimed, bounded by config.Router.Timeout. It never returns an error;
 // every problem is a failed attempt.
+//
+// The attempt is a "deliver" span, child of the trace context stored with
+// the event (the execution's trace); the consumer receives the span's
+// context as the traceparent header (webhooks), record header (Kafka) or
+// gRPC metadata.
 func (r *Router) deliver(ctx context.Context, ev pgstore.EventDelivery) attemptResult {
+	ctx, span := tracer.Start(telemetry.ContextWithTraceparent(ctx, ev.TraceContext), "deliver",
+		trace.WithSpanKind(trace.SpanKindProducer),
+		trace.WithAttributes(attribute.String("event_id", ev.ID.String()),
+			attribute.String("execution_id", ev.ExecutionID.String()),
+			attribute.String("consumer_kind", string(ev.ConsumerKind)),
+			attribute.Int("delivery_attempt", ev.Attempts+1)))
+	defer span.End()
+	res := r.deliverTo(ctx, ev)
+	if res.StatusCode != 0 {
+		span.SetAttributes(attribute.Int("http.response.status_code", res.StatusCode))
+	}
+	span.SetAttributes(attribute.Bool("delivered", res.Delivered))
+	if !res.Delivered {
+		span.SetStatus(codes.Error, res.Reason)
+	}
+	return res
+}
+
+// deliverTo is deliver without the span.
+func (r *Router) deliverTo(ctx context.Context, ev pgstore.EventDelivery) attemptResult {
 	if ev.SecretErr != nil {
 		return failed(0, ev.SecretErr.Error())
 	}
@@ -113,6 +148,7 @@ func (r *Router) deliverWebhook(ctx context.Context, ev pgstore.EventDelivery) a
 	req.Header.Set(HeaderWebhookID, id)
 	req.Header.Set(HeaderWebhookTimestamp, strconv.FormatInt(ts, 10))
 	req.Header.Set(HeaderWebhookSignature, sig)
+	otel.GetTextMapPropagator().Inject(ctx, propagation.HeaderCarrier(req.Header)) // traceparent
 
 	resp, err := r.client.Do(req)
 	if err != nil {

@@ -8,6 +8,7 @@ import (
 	"strconv"
 	"sync"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -72,6 +73,8 @@ func grpcDialOptions(allowPrivate bool) []grpc.DialOption {
 			return d.DialContext(ctx, "tcp", addr)
 		}),
 		grpc.WithUserAgent(userAgent),
+		// The delivery span's context reaches the consumer in the metadata.
+		grpc.WithStatsHandler(otelgrpc.NewClientHandler()),
 	}
 }
 

@@ -7,7 +7,9 @@ import (
 	"strconv"
 
 	"github.com/twmb/franz-go/pkg/kgo"
+	"go.opentelemetry.io/otel"
 
+	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
 
@@ -26,7 +28,8 @@ const errNoKafka = "kafka consumer: the router has no Kafka client"
 // value = the stored payload (protobuf JSON of the CompletionEvent), headers
 // webhook-id (the event id, stable across retries), webhook-timestamp,
 // webhook-signature (when the consumer has secrets, signed as for webhooks),
-// content-type and capstan-event-type. Success is the broker's
+// content-type, capstan-event-type and traceparent (the delivery span's
+// context, when tracing is on). Success is the broker's
 // acknowledgement within config.Router.Timeout; anything else is a failed
 // attempt, retried on the schedule.
 func (r *Router) deliverKafka(ctx context.Context, ev pgstore.EventDelivery) attemptResult {
@@ -54,6 +57,7 @@ func (r *Router) deliverKafka(ctx context.Context, ev pgstore.EventDelivery) att
 		Value:   ev.Payload,
 		Headers: headers,
 	}
+	otel.GetTextMapPropagator().Inject(ctx, kafka.HeaderCarrier{Record: rec}) // traceparent
 	ctx, cancel := context.WithTimeout(ctx, r.cfg.Timeout)
 	defer cancel()
 	if err := r.kafka.ProduceSync(ctx, rec).FirstErr(); err != nil {

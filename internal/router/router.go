@@ -18,6 +18,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/capstan-dev/capstan/internal/config"
+	"github.com/capstan-dev/capstan/internal/daemon"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
@@ -179,10 +180,15 @@ func (r *Router) Run(ctx context.Context) error {
 			sealedAt = time.Now()
 		}
 		claimedAt := time.Now()
-		events, err := r.store.EventClaim(ctx, pgstore.EventClaimParams{
+		// The claim runs under a detached context: a SIGTERM that lands
+		// while it commits must not leave claimed events undelivered until
+		// their claims expire. The deliveries it starts drain on shutdown.
+		cctx, ccancel := daemon.Detach(ctx, claimDrain, claimTimeout)
+		events, err := r.store.EventClaim(cctx, pgstore.EventClaimParams{
 			Owner: r.workerID, Limit: n, ClaimFor: r.cfg.ClaimTTL,
 			PerApplication: r.cfg.PerApplicationConcurrency, Box: r.box,
 		})
+		ccancel()
 		if err != nil {
 			// Events claimed by a failed call are not delivered; their
 			// claims expire and they are claimed again.
@@ -399,3 +405,10 @@ func sleep(ctx context.Context, d time.Duration) bool {
 		return false
 	}
 }
+
+// claimTimeout bounds one claim query, which runs detached from the
+// shutdown signal; claimDrain is how long it may go on after it.
+const (
+	claimTimeout = 30 * time.Second
+	claimDrain   = 5 * time.Second
+)

@@ -18,6 +18,7 @@ import (
 	"net"
 	"time"
 
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"
@@ -84,8 +85,11 @@ func Failed(class, message string, retryable bool) *adapterv1.ExecuteResponse {
 // flight get up to ShutdownGrace to finish before connections are closed.
 // The server also registers the standard health service
 // (grpc.health.v1.Health, SERVING for "" and "capstan.adapter.v1.AdapterService")
-// and server reflection. opts are passed to grpc.NewServer (for example TLS
-// credentials or interceptors). logger may be nil (logs are discarded); Serve
+// and server reflection. Every call gets an OpenTelemetry server span from
+// the global tracer provider (otelgrpc), child of the trace context Capstan
+// sends in the gRPC metadata, so the adapter's work joins the execution's
+// trace; the handler's ctx carries that span. opts are passed to
+// grpc.NewServer (for example TLS credentials or interceptors). logger may be nil (logs are discarded); Serve
 // logs method, execution id, attempt, outcome and duration at debug level,
 // never inputs or outputs. Serve closes lis.
 //
@@ -102,7 +106,7 @@ func Serve(ctx context.Context, lis net.Listener, h Handler, logger *slog.Logger
 	if logger == nil {
 		logger = slog.New(slog.DiscardHandler)
 	}
-	srv := grpc.NewServer(opts...)
+	srv := grpc.NewServer(append([]grpc.ServerOption{grpc.StatsHandler(otelgrpc.NewServerHandler())}, opts...)...)
 	adapterv1.RegisterAdapterServiceServer(srv, &service{h: h, logger: logger})
 	hs := health.NewServer()
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)

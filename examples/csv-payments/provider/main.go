@@ -80,6 +80,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/capstan-dev/capstan/internal/telemetry"
 	"github.com/capstan-dev/capstan/pkg/adapter"
 )
 
@@ -285,7 +286,21 @@ func printUsage(fs *flag.FlagSet, w io.Writer) {
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
-	err := run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	// Traces as OTEL_TRACES_EXPORTER says (off by default): the adapter's
+	// server spans join the trace of the execution they serve.
+	tel, err := telemetry.New(ctx, "csv-payments-provider", telemetry.Options{})
+	if err != nil {
+		stop()
+		fmt.Fprintln(os.Stderr, "provider:", err)
+		os.Exit(2)
+	}
+	telemetry.Install(tel)
+	err = run(ctx, os.Args[1:], os.Getenv, os.Stderr)
+	sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+	if serr := tel.Shutdown(sctx); serr != nil {
+		fmt.Fprintln(os.Stderr, "provider: telemetry shutdown:", serr)
+	}
+	cancel()
 	stop()
 	if errors.Is(err, flag.ErrHelp) {
 		return

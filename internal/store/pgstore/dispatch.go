@@ -15,6 +15,9 @@ type DispatchRecord struct {
 	ExecutionID uuid.UUID
 	Attempt     int
 	DueAt       time.Time
+	// TraceContext is the W3C traceparent of the execution's trace, ""
+	// when none was stored.
+	TraceContext string
 }
 
 // DispatchClaimParams claims due dispatch records.
@@ -43,14 +46,14 @@ UPDATE dispatch_records d
          ORDER BY due_at
          LIMIT $5
            FOR UPDATE SKIP LOCKED)
-RETURNING d.id, d.execution_id, d.attempt, d.due_at`,
+RETURNING d.id, d.execution_id, d.attempt, d.due_at, coalesce(d.trace_context, '')`,
 		token, p.Owner, p.ClaimFor.Seconds(), p.Lookahead.Seconds(), p.Limit)
 	if err != nil {
 		return nil, uuid.Nil, translate(fmt.Errorf("claim dispatch records: %w", err))
 	}
 	recs, err := pgx.CollectRows(rows, func(r pgx.CollectableRow) (DispatchRecord, error) {
 		var d DispatchRecord
-		err := r.Scan(&d.ID, &d.ExecutionID, &d.Attempt, &d.DueAt)
+		err := r.Scan(&d.ID, &d.ExecutionID, &d.Attempt, &d.DueAt, &d.TraceContext)
 		return d, err
 	})
 	if err != nil {
@@ -97,11 +100,12 @@ SELECT min(due_at), now() FROM dispatch_records WHERE claimed_until IS NULL OR c
 // lost anyway (a bug, an operator's DELETE) would otherwise leave the
 // execution waiting until its budget ends. A repaired record that races a
 // slow consumer is a duplicate dispatch, which the guarded attempt start
-// absorbs; ON CONFLICT keeps one record per attempt.
+// absorbs; ON CONFLICT keeps one record per attempt. The record carries
+// the execution's trace context.
 func (s *Store) DispatchRepair(ctx context.Context, olderThan time.Duration) (int64, error) {
 	tag, err := s.pool.Exec(ctx, `
-INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at)
-SELECT gen_random_uuid(), e.id, e.application_id, e.attempt + 1, now()
+INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at, trace_context)
+SELECT gen_random_uuid(), e.id, e.application_id, e.attempt + 1, now(), e.trace_context
   FROM executions e
  WHERE e.status IN ('QUEUED', 'RETRY_SCHEDULED') AND e.mode = 'ASYNC'
    AND e.updated_at < now() - make_interval(secs => $1)

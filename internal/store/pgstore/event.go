@@ -37,6 +37,9 @@ type EventDelivery struct {
 	Replays    int
 	CreatedAt  time.Time
 	ClaimToken uuid.UUID
+	// TraceContext is the W3C traceparent of the execution's trace, ""
+	// when none was stored.
+	TraceContext string
 	// ConsumerKind is "" when the application has no consumer.
 	ConsumerKind    ConsumerKind
 	ConsumerTarget  string
@@ -114,10 +117,10 @@ WITH loads AS (
     FROM picked
    WHERE e.id = picked.id AND e.status = 'PENDING'
   RETURNING e.id, e.execution_id, e.application_id, e.type, e.payload, e.delivery_attempts, e.round_attempts,
-            e.replays, e.created_at, e.next_attempt_at)
+            e.replays, e.created_at, e.next_attempt_at, e.trace_context)
 SELECT c.id, c.execution_id, c.application_id, c.type, c.payload, c.delivery_attempts, c.round_attempts,
        c.replays, c.created_at, coalesce(k.kind, ''), coalesce(k.target, ''), coalesce(k.version, 0),
-       coalesce(sec.sealed, '{}')
+       coalesce(sec.sealed, '{}'), coalesce(c.trace_context, '')
   FROM claimed c
   LEFT JOIN event_consumers k ON k.application_id = c.application_id
   LEFT JOIN LATERAL (
@@ -132,7 +135,7 @@ SELECT c.id, c.execution_id, c.application_id, c.type, c.payload, c.delivery_att
 		d := EventDelivery{ClaimToken: token}
 		var sealed []string
 		err := r.Scan(&d.ID, &d.ExecutionID, &d.ApplicationID, &d.Type, &d.Payload, &d.Attempts, &d.RoundAttempts,
-			&d.Replays, &d.CreatedAt, &d.ConsumerKind, &d.ConsumerTarget, &d.ConsumerVersion, &sealed)
+			&d.Replays, &d.CreatedAt, &d.ConsumerKind, &d.ConsumerTarget, &d.ConsumerVersion, &sealed, &d.TraceContext)
 		if err != nil {
 			return d, err
 		}

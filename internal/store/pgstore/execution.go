@@ -90,6 +90,10 @@ type ExecutionInsertParams struct {
 	Status     execution.Status
 	LeaseOwner string        // SYNC only
 	LeaseFor   time.Duration // SYNC only
+	// TraceContext is the W3C traceparent of the accepting span ("" for
+	// none), stored with the execution and its attempt-1 dispatch record so
+	// that dispatch, attempts and the completion event continue its trace.
+	TraceContext string
 }
 
 // ExecutionInsert commits a new execution and, for QUEUED, its dispatch
@@ -117,14 +121,14 @@ func (s *Store) ExecutionInsert(ctx context.Context, p ExecutionInsertParams) (e
 		row := tx.QueryRow(ctx, `
 INSERT INTO executions (id, application_id, capability, release, mode, status, attempt, max_attempts,
                         input, content_type, idempotency_key, request_hash, budget_deadline,
-                        lease_owner, lease_token, lease_expires_at)
+                        lease_owner, lease_token, lease_expires_at, trace_context)
 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, now() + make_interval(secs => $13),
-        $14, $15, CASE WHEN $15::uuid IS NULL THEN NULL ELSE now() + make_interval(secs => $16) END)
+        $14, $15, CASE WHEN $15::uuid IS NULL THEN NULL ELSE now() + make_interval(secs => $16) END, $17)
 ON CONFLICT (application_id, idempotency_key) WHERE idempotency_key IS NOT NULL DO NOTHING
 RETURNING `+executionColumns,
 			id, p.ApplicationID, p.Capability, p.Release, string(p.Mode), string(p.Status), attempt, p.MaxAttempts,
 			p.Input, p.ContentType, nullable(p.IdempotencyKey), p.RequestHash, p.AsyncBudget.Seconds(),
-			leaseOwner, leaseToken, leaseSeconds)
+			leaseOwner, leaseToken, leaseSeconds, nullable(p.TraceContext))
 		e, err = scanExecution(row)
 		if errors.Is(err, pgx.ErrNoRows) {
 			// The key exists (possibly committed just now by a concurrent
@@ -149,8 +153,9 @@ RETURNING `+executionColumns,
 		created = true
 		if p.Status == execution.StatusQueued {
 			if _, err := tx.Exec(ctx, `
-INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at) VALUES ($1, $2, $3, 1, now())`,
-				uuid.New(), e.ID, e.ApplicationID); err != nil {
+INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at, trace_context)
+VALUES ($1, $2, $3, 1, now(), $4)`,
+				uuid.New(), e.ID, e.ApplicationID, nullable(p.TraceContext)); err != nil {
 				return fmt.Errorf("insert dispatch record: %w", err)
 			}
 		} else {

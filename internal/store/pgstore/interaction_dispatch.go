@@ -16,6 +16,9 @@ type InteractionDispatch struct {
 	Attempt    int // the unit's attempt, bound into the resume token
 	ClaimToken uuid.UUID
 	Dispatches int // sends tried before this one
+	// TraceContext is the W3C traceparent stored with the execution, ""
+	// when none was.
+	TraceContext string
 }
 
 // InteractionClaimDispatch claims up to limit interactions of the webhook
@@ -41,7 +44,8 @@ UPDATE interactions i
          LIMIT $3
            FOR UPDATE SKIP LOCKED)
 RETURNING i.id, i.correlation_id, i.execution_id, i.application_id, i.capability, i.status, i.transport, i.request,
-          i.content_type, i.external_reference, i.deadline, i.created_at, u.attempt, i.claim_token, i.dispatch_attempts`,
+          i.content_type, i.external_reference, i.deadline, i.created_at, u.attempt, i.claim_token, i.dispatch_attempts,
+          coalesce((SELECT x.trace_context FROM executions x WHERE x.id = i.execution_id), '')`,
 		token, claimFor.Seconds(), limit)
 	if err != nil {
 		return nil, translate(fmt.Errorf("claim interactions: %w", err))
@@ -50,7 +54,8 @@ RETURNING i.id, i.correlation_id, i.execution_id, i.application_id, i.capability
 		var d InteractionDispatch
 		var ref *string
 		err := r.Scan(&d.ID, &d.CorrelationID, &d.ExecutionID, &d.ApplicationID, &d.Capability, &d.Status, &d.Transport,
-			&d.Request, &d.ContentType, &ref, &d.Deadline, &d.CreatedAt, &d.Attempt, &d.ClaimToken, &d.Dispatches)
+			&d.Request, &d.ContentType, &ref, &d.Deadline, &d.CreatedAt, &d.Attempt, &d.ClaimToken, &d.Dispatches,
+			&d.TraceContext)
 		d.ExternalReference = deref(ref)
 		return d, err
 	})

@@ -90,7 +90,8 @@ RETURNING `+executionColumns,
 		return execution.Execution{}, err
 	}
 	if _, err := tx.Exec(ctx, `
-INSERT INTO completion_events (id, execution_id, application_id, type, payload) VALUES ($1, $2, $3, $4, $5)`,
+INSERT INTO completion_events (id, execution_id, application_id, type, payload, trace_context)
+SELECT $1, $2, $3, $4, $5, trace_context FROM executions WHERE id = $2`,
 		evID, e.ID, e.ApplicationID, e.Status.EventType(), payload); err != nil {
 		return execution.Execution{}, fmt.Errorf("insert completion event: %w", err)
 	}
@@ -288,8 +289,9 @@ RETURNING `+executionColumns, p.ExecutionID, version, failure.Class, failure.Mes
 		return res, fmt.Errorf("schedule retry: %w", err)
 	}
 	err = tx.QueryRow(ctx, `
-INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at)
-VALUES ($1, $2, $3, $4, now() + make_interval(secs => $5)) RETURNING due_at`,
+INSERT INTO dispatch_records (id, execution_id, application_id, attempt, due_at, trace_context)
+SELECT $1, $2, $3, $4, now() + make_interval(secs => $5), trace_context FROM executions WHERE id = $2
+RETURNING due_at`,
 		uuid.New(), p.ExecutionID, res.Execution.ApplicationID, attempt+1, delay.Seconds()).Scan(&res.DueAt)
 	if err != nil {
 		return res, fmt.Errorf("insert dispatch record for attempt %d: %w", attempt+1, err)
