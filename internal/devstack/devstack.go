@@ -174,7 +174,7 @@ func Run(ctx context.Context, o Options) (err error) {
 		}
 	}
 
-	ports, err := freePorts(11)
+	ports, err := FreePorts(11)
 	if err != nil {
 		return err
 	}

@@ -17,7 +17,6 @@ import (
 	"fmt"
 	"io"
 	"maps"
-	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
@@ -39,6 +38,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
+	"github.com/capstan-dev/capstan/internal/devstack"
 	"github.com/capstan-dev/capstan/internal/kafkatest"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
@@ -486,16 +486,13 @@ func tail(path string, n int) string {
 	return strings.Join(lines, "\n")
 }
 
-// freePorts returns n distinct free loopback ports.
+// freePorts returns n distinct free loopback ports outside the ephemeral
+// range (see devstack.FreePorts), so that no outbound connection of another
+// test can take one before the daemon binds it.
 func freePorts(t *testing.T, n int) []int {
 	t.Helper()
-	out := make([]int, 0, n)
-	for range n {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		require.NoError(t, err)
-		defer l.Close()
-		out = append(out, l.Addr().(*net.TCPAddr).Port)
-	}
+	out, err := devstack.FreePorts(n)
+	require.NoError(t, err)
 	return out
 }
 

@@ -156,14 +156,19 @@ func TestRouterScheduleOffsets(t *testing.T) {
 		mu       sync.Mutex
 		arrivals []time.Time
 	)
-	rc := newReceiver(t, func(_ int, w http.ResponseWriter, _ *http.Request) {
-		mu.Lock()
-		arrivals = append(arrivals, time.Now())
-		mu.Unlock()
+	var want atomic.Value // the event id: a loopback port can be reused by another test's leftovers
+	want.Store("")
+	rc := newReceiver(t, func(_ int, w http.ResponseWriter, r *http.Request) {
+		if r.Header.Get("webhook-id") == want.Load().(string) {
+			mu.Lock()
+			arrivals = append(arrivals, time.Now())
+			mu.Unlock()
+		}
 		w.WriteHeader(http.StatusBadGateway)
 	})
 	app := h.app(t, rc.URL, newSecret(t))
 	id := h.event(t, app.ID)
+	want.Store(id.String())
 	cfg := compressedConfig()
 	cfg.Jitter = 0
 	cfg.RetryDelays = []time.Duration{100 * time.Millisecond, 200 * time.Millisecond, 300 * time.Millisecond,
