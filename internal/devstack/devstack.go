@@ -427,6 +427,10 @@ router:
   retry_delays: [200ms, 1s, 2s, 5s, 10s]
   timeout: 5s
   claim_ttl: 20s
+  # One application gets the whole router here (the default of 8 in
+  # flight per application protects tenants from each other).
+  concurrency: 64
+  per_application_concurrency: 64
 log:
   level: info
 capabilities:
