@@ -108,8 +108,7 @@ func (c *CompletionConsumer) Run(ctx context.Context) error {
 				defer wg.Done()
 				defer func() { <-sem }()
 				if c.handle(ctx, r) {
-					off := c.offsets.done(r)
-					c.client.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{r.Topic: {r.Partition: {Epoch: -1, Offset: off}}})
+					c.offsets.markDone(c.client, r)
 				}
 			}(r)
 		}

@@ -195,10 +195,7 @@ func (c *Consumer) Run(ctx context.Context) error {
 				defer wg.Done()
 				defer func() { <-sem }()
 				if c.handle(work, r) {
-					off := c.offsets.done(r)
-					c.client.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{
-						r.Topic: {r.Partition: {Epoch: -1, Offset: off}},
-					})
+					c.offsets.markDone(c.client, r)
 				}
 			}(r)
 		}

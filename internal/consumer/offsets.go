@@ -78,3 +78,10 @@ func (t *offsetTracker) forget(revoked map[string][]int32) {
 		}
 	}
 }
+
+// markDone records that r's outcome is durable and marks its partition's
+// committable offset on client (the autocommitter commits it).
+func (t *offsetTracker) markDone(client *kgo.Client, r *kgo.Record) {
+	off := t.done(r)
+	client.MarkCommitOffsets(map[string]map[int32]kgo.EpochOffset{r.Topic: {r.Partition: {Epoch: -1, Offset: off}}})
+}

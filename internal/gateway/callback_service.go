@@ -7,10 +7,12 @@ import (
 
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	"github.com/capstan-dev/capstan/internal/admission"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/token"
+	"github.com/capstan-dev/capstan/pkg/adapter"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 	callbackv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/callback/v1"
 )
@@ -123,23 +125,19 @@ func (s *CallbackService) CompleteExecution(ctx context.Context, req *callbackv1
 	return &callbackv1.CompleteExecutionResponse{Status: pgstore.StatusToProto(res.Execution.Status), Duplicate: res.Duplicate}, nil
 }
 
-// outcomeOf validates a completion's outcome: exactly one of result and
-// failure, bounded.
+// outcomeOf validates a gRPC completion's outcome: the gRPC edge refuses
+// what the await transports would only bound (an over-long output, class or
+// message, invalid UTF-8, NUL), then admission.Outcome, shared with the
+// webhook and kafka transports, builds it.
 func outcomeOf(r *adapterv1.Result, f *adapterv1.Failure) (execution.Outcome, error) {
+	var c adapter.InteractionCompletion
 	switch {
 	case r != nil:
-		if err := checkText("result.content_type", r.GetContentType(), false, maxContentTypeBytes); err != nil {
-			return execution.Outcome{}, err
-		}
 		if len(r.GetOutput()) > maxOutputBytes {
 			return execution.Outcome{}, &execution.InvalidArgumentError{Field: "result.output",
 				Reason: fmt.Sprintf("%d bytes, at most %d allowed", len(r.GetOutput()), maxOutputBytes)}
 		}
-		ct := r.GetContentType()
-		if ct == "" {
-			ct = DefaultContentType
-		}
-		return execution.Outcome{Succeeded: true, Output: r.GetOutput(), OutputType: ct}, nil
+		c.Result = &adapter.CompletionResult{Output: r.GetOutput(), ContentType: r.GetContentType()}
 	case f != nil:
 		if err := checkText("failure.class", f.GetClass(), true, execution.MaxClassBytes); err != nil {
 			return execution.Outcome{}, err
@@ -147,9 +145,9 @@ func outcomeOf(r *adapterv1.Result, f *adapterv1.Failure) (execution.Outcome, er
 		if err := checkText("failure.message", f.GetMessage(), false, execution.MaxMessageBytes); err != nil {
 			return execution.Outcome{}, err
 		}
-		return execution.Outcome{Failure: execution.Failure{Class: f.GetClass(), Message: f.GetMessage(), Retryable: f.GetRetryable()}}, nil
+		c.Failure = &adapter.CompletionFailure{Class: f.GetClass(), Message: f.GetMessage(), Retryable: f.GetRetryable()}
 	}
-	return execution.Outcome{}, &execution.InvalidArgumentError{Field: "outcome", Reason: "one of result or failure is required"}
+	return admission.Outcome(c)
 }
 
 // maxOutputBytes bounds a completion's output (4 MiB).

@@ -22,18 +22,11 @@ import (
 // a bad database URL, a failed migration, an admin address that cannot be
 // bound, or a failing admin server.
 func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
-	store, err := pgstore.Open(ctx, cfg.Database.URL, logger)
+	store, err := pgstore.OpenForDaemon(ctx, cfg.Database.URL, cfg.Database.MigrateOnStart, logger)
 	if err != nil {
 		return fmt.Errorf("router: %w", err)
 	}
 	defer store.Close()
-	if cfg.Database.MigrateOnStart {
-		v, err := pgstore.Migrate(ctx, cfg.Database.URL, logger)
-		if err != nil {
-			return fmt.Errorf("router: %w", err)
-		}
-		logger.InfoContext(ctx, "database migrated", "schema_version", v)
-	}
 	lis, err := daemon.Listen(cfg.Router.AdminListen)
 	if err != nil {
 		return fmt.Errorf("router: admin: %w", err)
