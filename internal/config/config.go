@@ -41,6 +41,18 @@ type Config struct {
 	// both need the same value. Empty: adapters get no callback token and
 	// "accepted" answers can only be completed through InteractionService.
 	CallbackSecret string `mapstructure:"callback_secret"`
+	// ObjectStore holds the objects that releases with steps read and
+	// publish.
+	ObjectStore ObjectStore `mapstructure:"object_store"`
+}
+
+// ObjectStore configures the object store (a local directory; an
+// S3-compatible provider can implement the same interface,
+// internal/objectstore.Store).
+type ObjectStore struct {
+	// Dir is the root directory of the local provider. Required when a
+	// release has steps.
+	Dir string `mapstructure:"dir"`
 }
 
 // Database configures PostgreSQL.
@@ -195,6 +207,11 @@ type Capability struct {
 	// world instead of an adapter call: the attempt sends the input out over
 	// the transport and parks on an await unit (SYSTEM §6).
 	Await *AwaitStep `mapstructure:"await"`
+	// Steps, when set, makes the release a short pipeline over a file
+	// instead of one adapter call: source → await (per item or collected)
+	// → optional map → publish (SYSTEM §6; docs/release-steps.md).
+	// Adapter is then not required.
+	Steps *ReleaseSteps `mapstructure:"steps"`
 	// AdapterKeySHA256 is the hex SHA-256 of the key the adapter presents
 	// ("authorization: Bearer <key>") on AdapterCallbackService and
 	// InteractionService. Empty: no adapter may call back for it.
@@ -214,8 +231,97 @@ type AwaitStep struct {
 	// RequestTopic and ResponseTopic are the kafka transport's topics.
 	RequestTopic  string `mapstructure:"request_topic"`
 	ResponseTopic string `mapstructure:"response_topic"`
-	// Timeout is the interaction's deadline from the park. Default 1h.
+	// Timeout is the interaction's deadline from the park (for a release
+	// step: from the item's dispatch). Default 1h.
 	Timeout time.Duration `mapstructure:"timeout"`
+	// Cardinality (release steps only) is ONE_TO_ONE (one interaction per
+	// item, streamed), MANY_TO_ONE (the items collected into one request,
+	// one result), ONE_TO_MANY (one item, a list back) or MANY_TO_MANY
+	// (collected, a list back). Default ONE_TO_ONE.
+	Cardinality string `mapstructure:"cardinality"`
+	// Window (release steps only) bounds the interactions dispatched and not
+	// yet consumed by the next step. Default 128, at most 4096.
+	Window int `mapstructure:"window"`
+	// MaxItems (release steps only) bounds the items a collecting
+	// cardinality collects, and the list a ONE_TO_MANY or MANY_TO_MANY
+	// completion may return. Default 10000; more fails the execution with
+	// class limits.too_many_items.
+	MaxItems int `mapstructure:"max_items"`
+}
+
+// Release-step defaults.
+const (
+	DefaultWindow   = 128
+	MaxWindow       = 4096
+	DefaultMaxItems = 10000
+)
+
+// Cardinalities of an await step (SYSTEM §6).
+const (
+	OneToOne   = "ONE_TO_ONE"
+	ManyToOne  = "MANY_TO_ONE"
+	OneToMany  = "ONE_TO_MANY"
+	ManyToMany = "MANY_TO_MANY"
+)
+
+// ReleaseSteps is a release declared as a pipeline over an object: the
+// execution's input is the JSON object {"source": "<key>", "output":
+// "<key>"} naming the source object and the object to publish.
+type ReleaseSteps struct {
+	// Source parses the source object lazily. Required.
+	Source *SourceStep `mapstructure:"source"`
+	// Await sends the items out over a transport. Required.
+	Await *AwaitStep `mapstructure:"await"`
+	// Map, when set, passes each successful item's result through an
+	// adapter before it is published.
+	Map *MapStep `mapstructure:"map"`
+	// Publish writes the terminal items to the output object. Required.
+	Publish *PublishStep `mapstructure:"publish"`
+}
+
+// SourceStep configures how the source object is read.
+type SourceStep struct {
+	// Format is "csv" (a header row, then one item per row, sent as a JSON
+	// object keyed by column name) or "jsonl" (one JSON object per line).
+	Format string `mapstructure:"format"`
+}
+
+// MapStep configures the per-item map.
+type MapStep struct {
+	// Adapter is the map adapter's gRPC address (host:port); it is called
+	// with Execute, the item's result as input. Required.
+	Adapter string `mapstructure:"adapter"`
+	// Timeout bounds one map call. Default 30s.
+	Timeout time.Duration `mapstructure:"timeout"`
+}
+
+// PublishStep configures Object Publish.
+type PublishStep struct {
+	// Format is "csv" or "jsonl".
+	Format string `mapstructure:"format"`
+	// Columns are the output's columns, in order. Empty: the item's fields
+	// followed by status, result, failure_class and failure_message.
+	Columns []Column `mapstructure:"columns"`
+}
+
+// Column is one output column: Name is its header (or JSON key), Value an
+// expression: item.<field>, result.<field>, result, status, failure.class,
+// failure.message, index (1-based), sends, interaction_id, execution_id.
+type Column struct {
+	Name  string `mapstructure:"name"`
+	Value string `mapstructure:"value"`
+}
+
+// AwaitStep returns the await step of a release: Await, or Steps.Await for
+// a release declared as steps; nil when there is none.
+func (c Capability) AwaitStep() *AwaitStep {
+	if c.Await != nil {
+		return c.Await
+	}
+	if c.Steps != nil {
+		return c.Steps.Await
+	}
+	return nil
 }
 
 // DefaultAwaitTimeout is the default of capabilities[].await_timeout.
@@ -225,8 +331,8 @@ const DefaultAwaitTimeout = time.Hour
 // await.timeout for an await step, await_timeout for an adapter that
 // answers "accepted".
 func (c Capability) AwaitDeadline() time.Duration {
-	if c.Await != nil && c.Await.Timeout > 0 {
-		return c.Await.Timeout
+	if a := c.AwaitStep(); a != nil && a.Timeout > 0 {
+		return a.Timeout
 	}
 	if c.AwaitTimeout > 0 {
 		return c.AwaitTimeout
@@ -288,6 +394,7 @@ func setDefaults(v *viper.Viper) {
 	v.SetDefault("dispatcher.pass_interval", time.Second)
 	v.SetDefault("dispatcher.batch_size", 500)
 	v.SetDefault("dispatcher.claim_ttl", 30*time.Second)
+	v.SetDefault("object_store.dir", "")
 	v.SetDefault("consumer.admin_listen", ":7237")
 	v.SetDefault("consumer.group", "capstan-consumer")
 	v.SetDefault("consumer.max_in_flight", 256)
@@ -353,9 +460,6 @@ func Load(path string) (*Config, error) {
 
 // Validate checks every key; the first problem is returned, naming the key.
 func (c *Config) Validate() error {
-	bad := func(key, format string, args ...any) error {
-		return fmt.Errorf("%w: %s: %s", ErrInvalid, key, fmt.Sprintf(format, args...))
-	}
 	if c.Database.URL == "" {
 		return bad("database.url", "required (or set DATABASE_URL)")
 	}
@@ -446,7 +550,7 @@ func (c *Config) Validate() error {
 			return bad(key+".name", "%q is configured twice", cp.Name)
 		}
 		seen[cp.Name] = true
-		if cp.Adapter == "" {
+		if cp.Adapter == "" && cp.Steps == nil {
 			return bad(key+".adapter", "required (host:port of the adapter's gRPC server)")
 		}
 		if h := cp.AdapterKeySHA256; h != "" && (len(h) != 64 || strings.Trim(strings.ToLower(h), "0123456789abcdef") != "") {
@@ -455,38 +559,154 @@ func (c *Config) Validate() error {
 		if cp.AwaitTimeout < 0 {
 			return bad(key+".await_timeout", "want > 0")
 		}
-		if a := cp.Await; a != nil {
-			switch a.Transport {
-			case "webhook":
-				if u, err := url.Parse(a.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
-					return bad(key+".await.url", "want an http(s) URL for the webhook transport")
-				}
-				if !strings.HasPrefix(a.Secret, "whsec_") {
-					return bad(key+".await.secret", "want whsec_<base64> for the webhook transport")
-				}
-				if c.Gateway.PublicURL == "" {
-					return bad("gateway.public_url", "required by the webhook transport of %q (where partners POST completions)", cp.Name)
-				}
-			case "kafka":
-				if a.RequestTopic == "" || a.ResponseTopic == "" {
-					return bad(key+".await", "request_topic and response_topic are required for the kafka transport")
-				}
-			case "interaction-api":
-			default:
-				return bad(key+".await.transport", "%q: want webhook, kafka or interaction-api", a.Transport)
+		if cp.Steps != nil {
+			if cp.Await != nil {
+				return bad(key+".await", "not with steps (use steps.await)")
 			}
-			if a.Transport != "interaction-api" && c.CallbackSecret == "" {
-				return bad("callback_secret", "required by the %s transport of %q (it signs resume tokens)", a.Transport, cp.Name)
+			if err := c.validateSteps(i); err != nil {
+				return err
 			}
-			if a.Timeout < 0 {
-				return bad(key+".await.timeout", "want > 0")
-			}
+		}
+		if err := c.validateAwait(key+".await", cp.Name, cp.Await); err != nil {
+			return err
 		}
 		if c.Capabilities[i].Release == "" {
 			c.Capabilities[i].Release = "v1"
 		}
 		if err := cp.Policy().Validate(c.MaxAsyncBudget); err != nil {
 			return fmt.Errorf("%w: %s (%q): %w", ErrInvalid, key, cp.Name, err)
+		}
+	}
+	return nil
+}
+
+func bad(key, format string, args ...any) error {
+	return fmt.Errorf("%w: %s: %s", ErrInvalid, key, fmt.Sprintf(format, args...))
+}
+
+// validateSteps checks capabilities[i].steps and fills in its defaults.
+func (c *Config) validateSteps(i int) error {
+	cp := c.Capabilities[i]
+	key := fmt.Sprintf("capabilities[%d].steps", i)
+	st := cp.Steps
+	if cp.Mode != "" && cp.Mode != "ASYNC" {
+		return bad(fmt.Sprintf("capabilities[%d].mode", i), "%q: a release with steps is ASYNC", cp.Mode)
+	}
+	if st.Source == nil {
+		return bad(key+".source", "required")
+	}
+	if st.Source.Format != "csv" && st.Source.Format != "jsonl" {
+		return bad(key+".source.format", "%q: want csv or jsonl", st.Source.Format)
+	}
+	if st.Await == nil {
+		return bad(key+".await", "required")
+	}
+	if st.Await.Transport == "" {
+		return bad(key+".await.transport", "required: webhook, kafka or interaction-api")
+	}
+	if err := c.validateAwait(key+".await", cp.Name, st.Await); err != nil {
+		return err
+	}
+	switch st.Await.Cardinality {
+	case "":
+		st.Await.Cardinality = OneToOne
+	case OneToOne, ManyToOne, OneToMany, ManyToMany:
+	default:
+		return bad(key+".await.cardinality", "%q: want ONE_TO_ONE, MANY_TO_ONE, ONE_TO_MANY or MANY_TO_MANY", st.Await.Cardinality)
+	}
+	switch w := st.Await.Window; {
+	case w == 0:
+		st.Await.Window = DefaultWindow
+	case w < 0 || w > MaxWindow:
+		return bad(key+".await.window", "%d: want 1..%d", w, MaxWindow)
+	}
+	switch m := st.Await.MaxItems; {
+	case m == 0:
+		st.Await.MaxItems = DefaultMaxItems
+	case m < 0:
+		return bad(key+".await.max_items", "%d: want > 0", m)
+	}
+	if st.Map != nil {
+		if st.Await.Cardinality != OneToOne {
+			return bad(key+".map", "only with the ONE_TO_ONE cardinality (a map is per item)")
+		}
+		if st.Map.Adapter == "" {
+			return bad(key+".map.adapter", "required (host:port of the map adapter)")
+		}
+		if st.Map.Timeout < 0 {
+			return bad(key+".map.timeout", "want > 0")
+		}
+		if st.Map.Timeout == 0 {
+			st.Map.Timeout = 30 * time.Second
+		}
+	}
+	if st.Publish == nil {
+		return bad(key+".publish", "required")
+	}
+	if st.Publish.Format != "csv" && st.Publish.Format != "jsonl" {
+		return bad(key+".publish.format", "%q: want csv or jsonl", st.Publish.Format)
+	}
+	names := map[string]bool{}
+	for j, col := range st.Publish.Columns {
+		ckey := fmt.Sprintf("%s.publish.columns[%d]", key, j)
+		if col.Name == "" {
+			return bad(ckey+".name", "required")
+		}
+		if names[col.Name] {
+			return bad(ckey+".name", "%q appears twice", col.Name)
+		}
+		names[col.Name] = true
+		if err := ValidColumnValue(col.Value); err != nil {
+			return bad(ckey+".value", "%v", err)
+		}
+	}
+	if c.ObjectStore.Dir == "" {
+		return bad("object_store.dir", "required by the steps of %q (where source and output objects live)", cp.Name)
+	}
+	return nil
+}
+
+// ValidColumnValue checks a Column.Value expression.
+func ValidColumnValue(v string) error {
+	switch v {
+	case "result", "status", "failure.class", "failure.message", "index", "sends", "interaction_id", "execution_id":
+		return nil
+	}
+	for _, p := range []string{"item.", "result."} {
+		if strings.HasPrefix(v, p) && len(v) > len(p) {
+			return nil
+		}
+	}
+	return fmt.Errorf("%q: want item.<field>, result.<field>, result, status, failure.class, failure.message, index, sends, interaction_id or execution_id", v)
+}
+
+// validateAwait checks an await step (key names it in errors).
+func (c *Config) validateAwait(key, name string, a *AwaitStep) error {
+	if a != nil {
+		switch a.Transport {
+		case "webhook":
+			if u, err := url.Parse(a.URL); err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+				return bad(key+".url", "want an http(s) URL for the webhook transport")
+			}
+			if !strings.HasPrefix(a.Secret, "whsec_") {
+				return bad(key+".secret", "want whsec_<base64> for the webhook transport")
+			}
+			if c.Gateway.PublicURL == "" {
+				return bad("gateway.public_url", "required by the webhook transport of %q (where partners POST completions)", name)
+			}
+		case "kafka":
+			if a.RequestTopic == "" || a.ResponseTopic == "" {
+				return bad(key, "request_topic and response_topic are required for the kafka transport")
+			}
+		case "interaction-api":
+		default:
+			return bad(key+".transport", "%q: want webhook, kafka or interaction-api", a.Transport)
+		}
+		if a.Transport != "interaction-api" && c.CallbackSecret == "" {
+			return bad("callback_secret", "required by the %s transport of %q (it signs resume tokens)", a.Transport, name)
+		}
+		if a.Timeout < 0 {
+			return bad(key+".timeout", "want > 0")
 		}
 	}
 	return nil

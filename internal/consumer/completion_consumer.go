@@ -44,9 +44,9 @@ func ResponseTopics(cfg *config.Config) []string {
 	seen := map[string]bool{}
 	var out []string
 	for _, cp := range cfg.Capabilities {
-		if cp.Await != nil && cp.Await.Transport == "kafka" && !seen[cp.Await.ResponseTopic] {
-			seen[cp.Await.ResponseTopic] = true
-			out = append(out, cp.Await.ResponseTopic)
+		if a := cp.AwaitStep(); a != nil && a.Transport == "kafka" && !seen[a.ResponseTopic] {
+			seen[a.ResponseTopic] = true
+			out = append(out, a.ResponseTopic)
 		}
 	}
 	return out

@@ -39,6 +39,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/kafka"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/token"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
@@ -60,6 +61,8 @@ type Consumer struct {
 	stats    counters
 	// signer issues callback tokens; nil when no callback_secret is set.
 	signer *token.Signer
+	// steps runs the releases declared as steps; nil when none is.
+	steps *steps.Runner
 
 	mp metric.MeterProvider
 	m  metrics
@@ -289,6 +292,10 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 		return
 	}
 	policy := capb.Policy()
+	if capb.Steps != nil {
+		c.runSteps(ctx, log, e, capb, fence)
+		return
+	}
 	if capb.Await != nil {
 		// The release's step is an await: send the input out over the
 		// transport and park, without calling the adapter.
@@ -343,6 +350,37 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	default:
 		c.attempt(ctx, outcomeRetryable, out.Failure.Class)
 		c.retry(ctx, log, e, fence, out.Failure, policy, "RETRYABLE_FAILURE")
+	}
+}
+
+// runSteps runs an attempt of a release declared as steps: a live session
+// over the step's await unit (package steps), which writes its own outcome.
+func (c *Consumer) runSteps(ctx context.Context, log *slog.Logger, e execution.Execution, capb config.Capability, fence pgstore.Fence) {
+	if c.steps == nil {
+		f := execution.Failure{Class: execution.ClassConfigMissing, Message: "this consumer has no object store for releases with steps"}
+		c.attempt(ctx, outcomeFailed, f.Class)
+		c.settle(ctx, log, e, fence, execution.StatusFailed, execution.Outcome{Failure: f})
+		return
+	}
+	c.stats.parked.Add(1)
+	res, sum := c.steps.Run(ctx, e, capb)
+	switch res {
+	case steps.Succeeded:
+		c.attempt(ctx, outcomeSucceeded, "")
+		c.stats.succeeded.Add(1)
+		c.settledAs(ctx, execution.StatusSucceeded)
+		log.Info("steps published", "object", sum.Object, "items", sum.Items, "rows", sum.Rows,
+			"sent", sum.Sent, "replayed", sum.Replayed, "max_in_flight", sum.MaxInFlight)
+	case steps.Failed:
+		c.attempt(ctx, outcomeFailed, "steps")
+		c.stats.failed.Add(1)
+		c.settledAs(ctx, execution.StatusFailed)
+	case steps.Retried:
+		c.attempt(ctx, outcomeRetryable, "steps")
+		c.stats.retried.Add(1)
+	case steps.Lost:
+		c.attempt(ctx, outcomeLeaseLost, "")
+		c.stats.lost.Add(1)
 	}
 }
 
@@ -464,37 +502,8 @@ func (c *Consumer) park(ctx context.Context, log *slog.Logger, e execution.Execu
 	}
 }
 
-// final reports whether a store error is an answer (the guard lost, the
-// row is gone, the input is refused) rather than a failure to get one.
-func final(err error) bool {
-	var inv *execution.InvalidArgumentError
-	return errors.Is(err, execution.ErrConflict) || errors.Is(err, execution.ErrLeaseLost) ||
-		errors.Is(err, execution.ErrNotFound) || errors.Is(err, execution.ErrCompletionRefused) ||
-		errors.Is(err, execution.ErrPermissionDenied) || errors.As(err, &inv)
-}
-
 // retryStore runs fn until it succeeds, fails with a final error, or ctx
-// ends. Every other error — the database unreachable, but also a deadlock,
-// a statement timeout or a full disk — is retried with backoff: giving up
-// would drop a dispatch whose record is already deleted.
+// ends (pgstore.Retry).
 func retryStore(ctx context.Context, log *slog.Logger, fn func() error) error {
-	wait := 100 * time.Millisecond
-	for {
-		err := fn()
-		if err == nil || final(err) {
-			return err
-		}
-		if ctx.Err() != nil {
-			return err
-		}
-		log.Warn("store write failed; retrying", "error", err, "retry_in", wait)
-		t := time.NewTimer(wait)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return fmt.Errorf("%w (gave up at shutdown)", err)
-		case <-t.C:
-		}
-		wait = min(wait*2, 5*time.Second)
-	}
+	return pgstore.Retry(ctx, log, fn)
 }

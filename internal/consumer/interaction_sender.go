@@ -9,6 +9,7 @@ import (
 	"log/slog"
 	"net/http"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/twmb/franz-go/pkg/kgo"
@@ -112,52 +113,121 @@ func (s *InteractionSender) send(ctx context.Context, d pgstore.InteractionDispa
 		span.End()
 	}()
 	cp, ok := s.cfg.Lookup(d.Capability)
-	if !ok || cp.Await == nil {
+	if !ok || cp.AwaitStep() == nil {
 		return fmt.Errorf("capability %q has no await transport configured", d.Capability)
 	}
+	a := cp.AwaitStep()
+	switch a.Transport {
+	case "webhook":
+		return s.post(ctx, a, s.request(d, a))
+	case "kafka":
+		if s.producer == nil {
+			return fmt.Errorf("no Kafka producer for the kafka transport")
+		}
+		rec, err := s.record(ctx, d, a)
+		if err != nil {
+			return err
+		}
+		return s.producer.ProduceSync(ctx, rec).FirstErr()
+	}
+	return fmt.Errorf("transport %q sends nothing", a.Transport)
+}
+
+// request is the InteractionRequest of d, with a resume token bound to the
+// application, execution, the unit's attempt, the interaction and its
+// deadline.
+func (s *InteractionSender) request(d pgstore.InteractionDispatch, a *config.AwaitStep) adapter.InteractionRequest {
 	req := adapter.InteractionRequest{
 		InteractionID: d.ID.String(), CorrelationID: d.CorrelationID, ExecutionID: d.ExecutionID.String(),
 		Capability: d.Capability, Request: d.Request, ContentType: d.ContentType, Deadline: d.Deadline.UTC(),
 		ResumeToken: s.signer.Issue(token.Claims{Kind: token.KindResume, ApplicationID: d.ApplicationID,
 			ExecutionID: d.ExecutionID, Subject: d.ID, Attempt: d.Attempt, ExpiresAt: d.Deadline}),
 	}
-	switch cp.Await.Transport {
-	case "webhook":
+	if a.Transport == "webhook" {
 		req.CompletionURL = strings.TrimRight(s.cfg.Gateway.PublicURL, "/") + adapter.CompletionPath
-		body, err := json.Marshal(req)
-		if err != nil {
-			return err
-		}
-		hr, err := http.NewRequestWithContext(ctx, http.MethodPost, cp.Await.URL, bytes.NewReader(body))
-		if err != nil {
-			return err
-		}
-		hr.Header.Set("content-type", "application/json")
-		otel.GetTextMapPropagator().Inject(ctx, propagation.HeaderCarrier(hr.Header))
-		if err := adapter.SignWebhook(hr.Header, cp.Await.Secret, d.ID.String(), time.Now(), body); err != nil {
-			return err
-		}
-		resp, err := s.http.Do(hr)
-		if err != nil {
-			return fmt.Errorf("post: %w", err)
-		}
-		_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
-		resp.Body.Close()
-		if resp.StatusCode < 200 || resp.StatusCode > 299 {
-			return fmt.Errorf("post: status %d", resp.StatusCode)
-		}
-		return nil
+	}
+	return req
+}
+
+// post sends req as a signed webhook POST; a non-2xx answer is an error.
+func (s *InteractionSender) post(ctx context.Context, a *config.AwaitStep, req adapter.InteractionRequest) error {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return err
+	}
+	hr, err := http.NewRequestWithContext(ctx, http.MethodPost, a.URL, bytes.NewReader(body))
+	if err != nil {
+		return err
+	}
+	hr.Header.Set("content-type", "application/json")
+	otel.GetTextMapPropagator().Inject(ctx, propagation.HeaderCarrier(hr.Header))
+	if err := adapter.SignWebhook(hr.Header, a.Secret, req.InteractionID, time.Now(), body); err != nil {
+		return err
+	}
+	resp, err := s.http.Do(hr)
+	if err != nil {
+		return fmt.Errorf("post: %w", err)
+	}
+	_, _ = io.Copy(io.Discard, io.LimitReader(resp.Body, 64<<10))
+	resp.Body.Close()
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return fmt.Errorf("post: status %d", resp.StatusCode)
+	}
+	return nil
+}
+
+// record is the kafka transport's request record of d.
+func (s *InteractionSender) record(ctx context.Context, d pgstore.InteractionDispatch, a *config.AwaitStep) (*kgo.Record, error) {
+	body, err := json.Marshal(s.request(d, a))
+	if err != nil {
+		return nil, err
+	}
+	rec := &kgo.Record{Topic: a.RequestTopic, Key: []byte(d.CorrelationID), Value: body}
+	otel.GetTextMapPropagator().Inject(ctx, kafka.HeaderCarrier{Record: rec})
+	return rec, nil
+}
+
+// sendParallelism bounds the webhook POSTs of one SendBatch.
+const sendParallelism = 16
+
+// SendBatch sends the interactions of a live session at once: one
+// produce per item, all in flight together (kafka), or up to 16 POSTs at a
+// time (webhook). It returns one error per interaction, nil for a send.
+// The interaction-api transport sends nothing and returns nils.
+func (s *InteractionSender) SendBatch(ctx context.Context, a *config.AwaitStep, ds []pgstore.InteractionDispatch) []error {
+	errs := make([]error, len(ds))
+	var wg sync.WaitGroup
+	switch a.Transport {
 	case "kafka":
 		if s.producer == nil {
-			return fmt.Errorf("no Kafka producer for the kafka transport")
+			for k := range errs {
+				errs[k] = fmt.Errorf("no Kafka producer for the kafka transport")
+			}
+			return errs
 		}
-		body, err := json.Marshal(req)
-		if err != nil {
-			return err
+		for k, d := range ds {
+			rec, err := s.record(ctx, d, a)
+			if err != nil {
+				errs[k] = err
+				continue
+			}
+			wg.Add(1)
+			s.producer.Produce(ctx, rec, func(_ *kgo.Record, err error) {
+				errs[k] = err
+				wg.Done()
+			})
 		}
-		rec := &kgo.Record{Topic: cp.Await.RequestTopic, Key: []byte(d.CorrelationID), Value: body}
-		otel.GetTextMapPropagator().Inject(ctx, kafka.HeaderCarrier{Record: rec})
-		return s.producer.ProduceSync(ctx, rec).FirstErr()
+	case "webhook":
+		sem := make(chan struct{}, sendParallelism)
+		for k, d := range ds {
+			sem <- struct{}{}
+			wg.Add(1)
+			go func() {
+				defer func() { <-sem; wg.Done() }()
+				errs[k] = s.post(ctx, a, s.request(d, a))
+			}()
+		}
 	}
-	return fmt.Errorf("transport %q sends nothing", cp.Await.Transport)
+	wg.Wait()
+	return errs
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"strconv"
 	"time"
 
@@ -58,6 +59,12 @@ const (
 
 // Option configures a Consumer.
 type Option func(*Consumer)
+
+// WithSteps runs the releases declared as steps with r (without it such an
+// attempt fails with config.missing).
+func WithSteps(r *steps.Runner) Option {
+	return func(c *Consumer) { c.steps = r }
+}
 
 // WithMeterProvider records the consumer's metrics on mp (default: the
 // global provider, otel.GetMeterProvider()).

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/capstan-dev/capstan/internal/adapterclient"
 	"github.com/capstan-dev/capstan/internal/admission"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/consumer"
@@ -29,6 +30,8 @@ import (
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/kafkatest"
+	"github.com/capstan-dev/capstan/internal/objectstore"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/testutil/pgtest"
 	"github.com/capstan-dev/capstan/internal/token"
@@ -126,9 +129,9 @@ func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (
 	prod, err := kafka.NewClient(cfg.Kafka.Brokers, logger, kgo.DefaultProduceTopic(topic))
 	require.NoError(t, err)
 	for _, cp := range cfg.Capabilities {
-		if cp.Await != nil && cp.Await.Transport == "kafka" {
-			require.NoError(t, kafka.EnsureTopic(ctx, prod, cp.Await.RequestTopic, 2))
-			require.NoError(t, kafka.EnsureTopic(ctx, prod, cp.Await.ResponseTopic, 2))
+		if a := cp.AwaitStep(); a != nil && a.Transport == "kafka" {
+			require.NoError(t, kafka.EnsureTopic(ctx, prod, a.RequestTopic, 2))
+			require.NoError(t, kafka.EnsureTopic(ctx, prod, a.ResponseTopic, 2))
 		}
 	}
 	var dopts []dispatcher.Option
@@ -141,6 +144,26 @@ func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (
 	offsets := consumer.NewOffsetTracker()
 	cons, err := kafka.NewClient(cfg.Kafka.Brokers, logger, consumer.ClientOpts(cfg, offsets, logger)...)
 	require.NoError(t, err)
+	var sender *consumer.InteractionSender
+	if cfg.CallbackSecret != "" {
+		key, _ := base64.StdEncoding.DecodeString(cfg.CallbackSecret)
+		signer, _ := token.NewSigner(key)
+		sender = consumer.NewInteractionSender(st, cfg, signer, prod, logger)
+	}
+	var listen func(context.Context) error
+	if cfg.ObjectStore.Dir != "" {
+		objects, err := objectstore.NewLocal(cfg.ObjectStore.Dir)
+		require.NoError(t, err)
+		hub := steps.NewHub()
+		var s steps.Sender
+		if sender != nil {
+			s = sender
+		}
+		runner := steps.NewRunner(st, objects, s, adapterclient.NewPool(), hub, logger)
+		runner.Poll = 200 * time.Millisecond
+		copts = append(copts, consumer.WithSteps(runner))
+		listen = func(ctx context.Context) error { return st.ListenItems(ctx, hub.Notify) }
+	}
 	c := consumer.New(st, cons, cfg, offsets, "w1", logger, copts...)
 	if mp != nil {
 		stopLag, err := c.ObserveLag()
@@ -150,10 +173,11 @@ func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (
 
 	runs := []func(context.Context) error{d.Run, c.Run, func(ctx context.Context) error { return c.Reap(ctx, cfg.Consumer.ReapInterval) }}
 	var closers []func()
-	if cfg.CallbackSecret != "" {
-		key, _ := base64.StdEncoding.DecodeString(cfg.CallbackSecret)
-		signer, _ := token.NewSigner(key)
-		runs = append(runs, consumer.NewInteractionSender(st, cfg, signer, prod, logger).Run)
+	if listen != nil {
+		runs = append(runs, listen)
+	}
+	if sender != nil {
+		runs = append(runs, sender.Run)
 		if topics := consumer.ResponseTopics(cfg); len(topics) > 0 {
 			admitter, err := admission.New(st, cfg)
 			require.NoError(t, err)
@@ -203,6 +227,11 @@ func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
 
 func (p *pipeline) waitSettled(t *testing.T, ids []uuid.UUID) map[uuid.UUID]execution.Execution {
 	t.Helper()
+	return p.waitSettledWithin(t, ids, 30*time.Second)
+}
+
+func (p *pipeline) waitSettledWithin(t *testing.T, ids []uuid.UUID, within time.Duration) map[uuid.UUID]execution.Execution {
+	t.Helper()
 	out := map[uuid.UUID]execution.Execution{}
 	require.Eventually(t, func() bool {
 		for _, id := range ids {
@@ -217,7 +246,7 @@ func (p *pipeline) waitSettled(t *testing.T, ids []uuid.UUID) map[uuid.UUID]exec
 			out[id] = e
 		}
 		return true
-	}, 30*time.Second, 20*time.Millisecond)
+	}, within, 20*time.Millisecond)
 	return out
 }
 

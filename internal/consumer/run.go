@@ -14,6 +14,8 @@ import (
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/daemon"
 	"github.com/capstan-dev/capstan/internal/kafka"
+	"github.com/capstan-dev/capstan/internal/objectstore"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 )
 
@@ -40,6 +42,7 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		owner = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
 	c := New(store, client, cfg, offsets, owner, logger)
+	var listen func(context.Context) error // item notifications, for releases with steps
 	if stop, err := c.ObserveLag(); err != nil {
 		logger.Warn("consumer lag gauge not registered", "error", err)
 	} else {
@@ -59,8 +62,8 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 			}
 			defer producer.Close()
 			for _, cp := range cfg.Capabilities {
-				if cp.Await != nil && cp.Await.Transport == "kafka" {
-					for _, t := range []string{cp.Await.RequestTopic, cp.Await.ResponseTopic} {
+				if a := cp.AwaitStep(); a != nil && a.Transport == "kafka" {
+					for _, t := range []string{a.RequestTopic, a.ResponseTopic} {
 						if err := kafka.EnsureTopic(ctx, producer, t, cfg.Kafka.ExecutionPartitions); err != nil {
 							logger.Warn("could not ensure an await topic; continuing", "topic", t, "error", err)
 						}
@@ -80,6 +83,20 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 			completions = NewCompletionConsumer(cclient, admitter, coffsets, logger)
 		}
 		sender = NewInteractionSender(store, cfg, c.signer, producer, logger)
+	}
+	if hasSteps(cfg) {
+		objects, err := objectstore.NewLocal(cfg.ObjectStore.Dir)
+		if err != nil {
+			return fmt.Errorf("object_store.dir: %w", err)
+		}
+		defer objects.Close()
+		hub := steps.NewHub()
+		var s steps.Sender
+		if sender != nil {
+			s = sender
+		}
+		WithSteps(steps.NewRunner(store, objects, s, c.adapters, hub, logger))(c)
+		listen = func(ctx context.Context) error { return store.ListenItems(ctx, hub.Notify) }
 	}
 	health := daemon.NewHealth(func(ctx context.Context) error {
 		return errors.Join(store.Ping(ctx), kafka.Ping(ctx, client))
@@ -104,6 +121,9 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	if completions != nil {
 		g.Go(func() error { return completions.Run(gctx) })
 	}
+	if listen != nil {
+		g.Go(func() error { return listen(gctx) })
+	}
 	if admin != nil {
 		g.Go(func() error { return daemon.ServeHTTP(gctx, health.Handler(), admin, daemon.Grace) })
 	}
@@ -116,4 +136,14 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 	logger.Info("consumer stopped", "started", s.Started, "skipped", s.Skipped, "succeeded", s.Succeeded,
 		"failed", s.Failed, "retried", s.Retried, "lost", s.Lost, "reaped", s.Reaped)
 	return err
+}
+
+// hasSteps reports whether a release is declared as steps.
+func hasSteps(cfg *config.Config) bool {
+	for _, cp := range cfg.Capabilities {
+		if cp.Steps != nil {
+			return true
+		}
+	}
+	return false
 }

@@ -79,11 +79,11 @@ func (h *CompletionHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	cp, ok := h.cfg.Lookup(capability)
-	if !ok || cp.Await == nil || cp.Await.Transport != "webhook" {
+	if !ok || cp.AwaitStep() == nil || cp.AwaitStep().Transport != "webhook" {
 		h.answer(w, http.StatusConflict, completionAnswer{Error: "the interaction's release does not use the webhook transport"})
 		return
 	}
-	if err := adapter.VerifyWebhook(r.Header, cp.Await.Secret, body, h.now(), WebhookTolerance); err != nil {
+	if err := adapter.VerifyWebhook(r.Header, cp.AwaitStep().Secret, body, h.now(), WebhookTolerance); err != nil {
 		h.answer(w, http.StatusUnauthorized, completionAnswer{Error: "signature: " + err.Error()})
 		return
 	}

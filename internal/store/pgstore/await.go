@@ -115,17 +115,21 @@ ON CONFLICT (id) DO NOTHING`, interactionID, unitID, o.ExecutionID, o.Applicatio
 }
 
 // cancelOpenAwaitsTx cancels the non-terminal units and interactions of an
-// execution that settled or moved to another attempt. Guard: status not
+// execution that settled (keepSteps false) or moved to another attempt
+// (keepSteps true: the units of release steps belong to the execution and
+// the next attempt adopts them with their interactions). Guard: status not
 // terminal; zero rows means there was nothing open.
-func cancelOpenAwaitsTx(ctx context.Context, tx pgx.Tx, executionID uuid.UUID) error {
+func cancelOpenAwaitsTx(ctx context.Context, tx pgx.Tx, executionID uuid.UUID, keepSteps bool) error {
 	if _, err := tx.Exec(ctx, `
-UPDATE interactions SET status = 'CANCELLED', version = version + 1, updated_at = now(), claim_token = NULL
- WHERE execution_id = $1 AND status IN ('WAITING', 'DISPATCHING', 'DISPATCHED')`, executionID); err != nil {
+UPDATE interactions i SET status = 'CANCELLED', version = i.version + 1, updated_at = now(), claim_token = NULL
+  FROM await_units u
+ WHERE u.id = i.await_unit_id AND i.execution_id = $1 AND i.status IN ('WAITING', 'DISPATCHING', 'DISPATCHED')
+   AND NOT ($2 AND u.release_step)`, executionID, keepSteps); err != nil {
 		return fmt.Errorf("cancel interactions: %w", err)
 	}
 	if _, err := tx.Exec(ctx, `
 UPDATE await_units SET status = 'CANCELLED', version = version + 1, updated_at = now()
- WHERE execution_id = $1 AND status = 'WAITING'`, executionID); err != nil {
+ WHERE execution_id = $1 AND status = 'WAITING' AND NOT ($2 AND release_step)`, executionID, keepSteps); err != nil {
 		return fmt.Errorf("cancel await units: %w", err)
 	}
 	return nil
@@ -175,7 +179,8 @@ SELECT status, mode, application_id, attempt, lease_token, lease_expires_at, ver
 type interactionRow struct {
 	id, unitID, executionID, applicationID uuid.UUID
 	capability, status                     string
-	unitAttempt                            int
+	unitAttempt, seq                       int
+	releaseStep                            bool
 	deadline                               time.Time
 	version                                int64
 	completionHash                         []byte
@@ -183,6 +188,17 @@ type interactionRow struct {
 }
 
 func lockInteractionTx(ctx context.Context, tx pgx.Tx, id uuid.UUID) (interactionRow, error) {
+	return lockInteractionRowsTx(ctx, tx, id, "i, u")
+}
+
+// lockItemTx locks an item interaction of a release step's unit without
+// its unit, so the completions of one unit's items are admitted in
+// parallel; the unit's status is not touched by item admission.
+func lockItemTx(ctx context.Context, tx pgx.Tx, id uuid.UUID) (interactionRow, error) {
+	return lockInteractionRowsTx(ctx, tx, id, "i")
+}
+
+func lockInteractionRowsTx(ctx context.Context, tx pgx.Tx, id uuid.UUID, of string) (interactionRow, error) {
 	var (
 		r                            interactionRow
 		resultType, fClass, fMessage *string
@@ -192,11 +208,12 @@ func lockInteractionTx(ctx context.Context, tx pgx.Tx, id uuid.UUID) (interactio
 	err := tx.QueryRow(ctx, `
 SELECT i.id, i.await_unit_id, i.execution_id, i.application_id, i.capability, i.status, u.attempt, i.deadline,
        i.version, i.completion_hash, i.result, i.result_content_type, i.failure_class, i.failure_message,
-       i.failure_retryable
+       i.failure_retryable, i.seq, u.release_step
   FROM interactions i JOIN await_units u ON u.id = i.await_unit_id
- WHERE i.id = $1 FOR UPDATE OF i, u`, id).
+ WHERE i.id = $1 FOR UPDATE OF `+of, id).
 		Scan(&r.id, &r.unitID, &r.executionID, &r.applicationID, &r.capability, &r.status, &r.unitAttempt,
-			&r.deadline, &r.version, &r.completionHash, &result, &resultType, &fClass, &fMessage, &retryable)
+			&r.deadline, &r.version, &r.completionHash, &result, &resultType, &fClass, &fMessage, &retryable,
+			&r.seq, &r.releaseStep)
 	if err != nil {
 		return r, fmt.Errorf("lock interaction %s: %w", id, err)
 	}
@@ -246,7 +263,7 @@ func heldCompletionTx(ctx context.Context, tx pgx.Tx, executionID uuid.UUID, att
 	var id uuid.UUID
 	err := tx.QueryRow(ctx, `
 SELECT i.id FROM interactions i JOIN await_units u ON u.id = i.await_unit_id
- WHERE u.execution_id = $1 AND u.attempt = $2 AND i.status IN ('COMPLETED', 'FAILED')
+ WHERE u.execution_id = $1 AND u.attempt = $2 AND NOT u.release_step AND i.status IN ('COMPLETED', 'FAILED')
  ORDER BY i.completed_at LIMIT 1`, executionID, attempt).Scan(&id)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return nil, nil
@@ -380,7 +397,10 @@ type CompleteResult struct {
 	// Duplicate: an identical completion was already admitted; nothing changed.
 	Duplicate bool
 	// Held: recorded before the execution parked; the park releases it.
-	Held              bool
+	Held bool
+	// Item: the interaction is an item of a release step; the completion
+	// was recorded and signalled to the step's live session.
+	Item              bool
 	InteractionID     uuid.UUID
 	InteractionStatus string
 	Execution         execution.Execution
@@ -403,8 +423,16 @@ func (s *Store) CompleteInteraction(ctx context.Context, p CompleteParams) (Comp
 		if p.Open != nil {
 			execID = p.Open.ExecutionID
 		} else {
-			if err := tx.QueryRow(ctx, `SELECT execution_id FROM interactions WHERE id = $1`, p.InteractionID).Scan(&execID); err != nil {
+			var item bool
+			if err := tx.QueryRow(ctx, `
+SELECT i.execution_id, u.release_step FROM interactions i JOIN await_units u ON u.id = i.await_unit_id
+ WHERE i.id = $1`, p.InteractionID).Scan(&execID, &item); err != nil {
 				return fmt.Errorf("interaction %s: %w", p.InteractionID, err)
+			}
+			if item {
+				var err error
+				res, err = completeItemTx(ctx, tx, p)
+				return err
 			}
 		}
 		l, err := lockExecutionTx(ctx, tx, execID)
@@ -468,31 +496,9 @@ func (s *Store) CompleteInteraction(ctx context.Context, p CompleteParams) (Comp
 		if l.status == execution.StatusWaitingExternal && !l.leaseExpiresAt.IsZero() && !l.now.Before(l.leaseExpiresAt) {
 			return fmt.Errorf("the lease of %s expired: %w", execID, execution.ErrLeaseLost)
 		}
-		status := InteractionCompleted
-		var result []byte
-		var resultType, fClass, fMessage *string
-		retryable := false
-		if p.Outcome.Succeeded {
-			result, resultType = p.Outcome.Output, nullable(p.Outcome.OutputType)
-			if result == nil {
-				result = []byte{}
-			}
-		} else {
-			f := p.Outcome.Failure.Bounded()
-			status, fClass, fMessage, retryable = InteractionFailed, &f.Class, &f.Message, f.Retryable
-		}
-		tag, err := tx.Exec(ctx, `
-UPDATE interactions
-   SET status = $3, result = $4, result_content_type = $5, failure_class = $6, failure_message = $7,
-       failure_retryable = $8, completion_hash = $9, completed_at = now(), claim_token = NULL,
-       version = version + 1, updated_at = now()
- WHERE id = $1 AND version = $2 AND status IN ('WAITING', 'DISPATCHING', 'DISPATCHED')`,
-			i.id, i.version, status, result, resultType, fClass, fMessage, retryable, hash)
+		status, err := recordOutcomeTx(ctx, tx, i, p.Outcome, hash)
 		if err != nil {
-			return fmt.Errorf("admit completion: %w", err)
-		}
-		if tag.RowsAffected() == 0 {
-			return fmt.Errorf("interaction %s changed meanwhile: %w", i.id, execution.ErrConflict) // unreachable under the lock
+			return err
 		}
 		unitStatus := UnitCompleted
 		if status == InteractionFailed {
@@ -517,6 +523,85 @@ UPDATE await_units SET status = $2, version = version + 1, updated_at = now() WH
 		s.countRefusal(ctx, p.InteractionID, err)
 	}
 	return res, err
+}
+
+// completeItemTx admits the completion of an item of a release step's unit
+// (SYSTEM §6, live session): it records the outcome on the interaction
+// only — the unit and the execution are the session's — and notifies
+// ItemsChannel so that the live session feeding the next step wakes up.
+// The execution row is not locked: a settlement cancels the item under its
+// own row lock, so the two serialise on the interaction. Refusals as in
+// CompleteInteraction; a retryable failure is recorded like any other (the
+// item's row shows it).
+func completeItemTx(ctx context.Context, tx pgx.Tx, p CompleteParams) (CompleteResult, error) {
+	var res CompleteResult
+	i, err := lockItemTx(ctx, tx, p.InteractionID)
+	if err != nil {
+		return res, err
+	}
+	res.InteractionID, res.InteractionStatus, res.Item = i.id, i.status, true
+	if p.ApplicationID != uuid.Nil && p.ApplicationID != i.applicationID {
+		return res, fmt.Errorf("interaction %s belongs to another application: %w", i.id, execution.ErrPermissionDenied)
+	}
+	if p.Capabilities != nil && !p.Capabilities[i.capability] {
+		return res, fmt.Errorf("capability %q is not served by this adapter: %w", i.capability, execution.ErrPermissionDenied)
+	}
+	hash := outcomeHash(p.Outcome)
+	if isTerminalInteraction(i.status) {
+		if string(i.completionHash) != string(hash) {
+			return res, fmt.Errorf("interaction %s is already %s: %w", i.id, i.status, execution.ErrCompletionRefused)
+		}
+		res.Duplicate = true
+	} else {
+		var now time.Time
+		if err := tx.QueryRow(ctx, `SELECT now()`).Scan(&now); err != nil {
+			return res, fmt.Errorf("read the clock: %w", err)
+		}
+		if !now.Before(i.deadline) {
+			return res, fmt.Errorf("interaction %s is past its deadline: %w", i.id, execution.ErrCompletionRefused)
+		}
+		if res.InteractionStatus, err = recordOutcomeTx(ctx, tx, i, p.Outcome, hash); err != nil {
+			return res, err
+		}
+		if _, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, ItemsChannel, i.unitID.String()); err != nil {
+			return res, fmt.Errorf("notify the live session: %w", err)
+		}
+	}
+	res.Execution, err = scanExecution(tx.QueryRow(ctx, `SELECT `+executionColumns+` FROM executions WHERE id = $1`, i.executionID))
+	return res, err
+}
+
+// recordOutcomeTx writes an admitted outcome on a locked, non-terminal
+// interaction and returns its new status. Guard: version and status not
+// terminal; zero rows is execution.ErrConflict (unreachable under the lock).
+func recordOutcomeTx(ctx context.Context, tx pgx.Tx, i interactionRow, o execution.Outcome, hash []byte) (string, error) {
+	status := InteractionCompleted
+	var result []byte
+	var resultType, fClass, fMessage *string
+	retryable := false
+	if o.Succeeded {
+		result, resultType = o.Output, nullable(o.OutputType)
+		if result == nil {
+			result = []byte{}
+		}
+	} else {
+		f := o.Failure.Bounded()
+		status, fClass, fMessage, retryable = InteractionFailed, &f.Class, &f.Message, f.Retryable
+	}
+	tag, err := tx.Exec(ctx, `
+UPDATE interactions
+   SET status = $3, result = $4, result_content_type = $5, failure_class = $6, failure_message = $7,
+       failure_retryable = $8, completion_hash = $9, completed_at = now(), claim_token = NULL,
+       version = version + 1, updated_at = now()
+ WHERE id = $1 AND version = $2 AND status IN ('WAITING', 'DISPATCHING', 'DISPATCHED')`,
+		i.id, i.version, status, result, resultType, fClass, fMessage, retryable, hash)
+	if err != nil {
+		return "", fmt.Errorf("admit completion: %w", err)
+	}
+	if tag.RowsAffected() == 0 {
+		return "", fmt.Errorf("interaction %s changed meanwhile: %w", i.id, execution.ErrConflict)
+	}
+	return status, nil
 }
 
 // countRefusal records a refused completion so that late and foreign
@@ -571,6 +656,20 @@ SELECT id, execution_id FROM interactions
 			}
 			if isTerminalInteraction(i.status) || l.now.Before(i.deadline) {
 				return nil // completed or moved meanwhile
+			}
+			if i.releaseStep {
+				// An item times out alone: its row says so, and the live
+				// session is woken instead of waiting for a completion that
+				// would now be refused.
+				if _, err := tx.Exec(ctx, `
+UPDATE interactions SET status = 'TIMED_OUT', failure_class = $3, failure_message = $4, version = version + 1,
+       updated_at = now(), claim_token = NULL
+ WHERE id = $1 AND version = $2`, i.id, i.version, ClassAwaitTimedOut, "the item's deadline passed before it completed"); err != nil {
+					return err
+				}
+				n++
+				_, err := tx.Exec(ctx, `SELECT pg_notify($1, $2)`, ItemsChannel, i.unitID.String())
+				return err
 			}
 			if _, err := tx.Exec(ctx, `
 UPDATE interactions SET status = 'TIMED_OUT', version = version + 1, updated_at = now(), claim_token = NULL

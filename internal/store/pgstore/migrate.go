@@ -18,7 +18,7 @@ var migrations embed.FS
 
 // SchemaVersion is the migration version this binary expects; /readyz and
 // the daemons compare it with the database's.
-const SchemaVersion = 4
+const SchemaVersion = 5
 
 func newMigrator(db *sql.DB, logger *slog.Logger) (*goose.Provider, error) {
 	sub, err := fs.Sub(migrations, "migration")

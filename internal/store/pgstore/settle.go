@@ -103,7 +103,7 @@ SELECT $1, $2, $3, $4, $5, trace_context FROM executions WHERE id = $2`,
 	if _, err := tx.Exec(ctx, `DELETE FROM dispatch_records WHERE execution_id = $1`, e.ID); err != nil {
 		return execution.Execution{}, fmt.Errorf("delete dispatch records: %w", err)
 	}
-	if err := cancelOpenAwaitsTx(ctx, tx, e.ID); err != nil {
+	if err := cancelOpenAwaitsTx(ctx, tx, e.ID, false); err != nil {
 		return execution.Execution{}, err
 	}
 	return e, nil
@@ -296,7 +296,7 @@ RETURNING due_at`,
 	if err != nil {
 		return res, fmt.Errorf("insert dispatch record for attempt %d: %w", attempt+1, err)
 	}
-	if err := cancelOpenAwaitsTx(ctx, tx, p.ExecutionID); err != nil {
+	if err := cancelOpenAwaitsTx(ctx, tx, p.ExecutionID, true); err != nil {
 		return res, err
 	}
 	return res, closeAttempt(ctx, tx, p.ExecutionID, attempt, outcome, &failure)

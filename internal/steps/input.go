@@ -1,0 +1,53 @@
+package steps
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+
+	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/objectstore"
+)
+
+// Input is the input of an execution of a release with steps, the JSON
+// object {"source": "<key>", "output": "<key>"}: the object to read and the
+// key to publish the output under (objectstore.ValidateKey rules).
+type Input struct {
+	Source string `json:"source"`
+	Output string `json:"output"`
+}
+
+// ParseInput decodes and checks an Input. Errors are
+// *execution.InvalidArgumentError naming the field (input, input.source or
+// input.output).
+func ParseInput(b []byte) (Input, error) {
+	var in Input
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil {
+		return in, &execution.InvalidArgumentError{Field: "input",
+			Reason: fmt.Sprintf(`want the JSON object {"source": "<object key>", "output": "<object key>"}: %v`, err)}
+	}
+	if dec.More() {
+		return in, &execution.InvalidArgumentError{Field: "input", Reason: "data after the JSON object"}
+	}
+	for _, f := range []struct{ name, key string }{{"input.source", in.Source}, {"input.output", in.Output}} {
+		if f.key == "" {
+			return in, &execution.InvalidArgumentError{Field: f.name, Reason: "required (an object key)"}
+		}
+		if err := objectstore.ValidateKey(f.key); err != nil {
+			return in, &execution.InvalidArgumentError{Field: f.name, Reason: err.Error()}
+		}
+	}
+	if in.Source == in.Output {
+		return in, &execution.InvalidArgumentError{Field: "input.output", Reason: "must differ from input.source"}
+	}
+	return in, nil
+}
+
+// IsInvalidInput reports whether err is an input error from ParseInput.
+func IsInvalidInput(err error) bool {
+	var inv *execution.InvalidArgumentError
+	return errors.As(err, &inv)
+}
