@@ -23,6 +23,7 @@ import (
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/rpcerr"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/internal/telemetry"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
@@ -102,6 +103,14 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 	capb, ok := s.cfg.Lookup(req.GetCapability())
 	if !ok {
 		return nil, fmt.Errorf("%w: %q", execution.ErrUnknownCapability, req.GetCapability())
+	}
+	if capb.Steps != nil {
+		// A release declared as steps takes {"source": …, "output": …}:
+		// refuse anything else here, naming the field, rather than fail
+		// the execution later.
+		if _, err := steps.ParseInput(req.GetInput()); err != nil {
+			return nil, err
+		}
 	}
 	policy := capb.Policy()
 	contentType := req.GetContentType()

@@ -45,7 +45,8 @@ type bundle struct {
 func testConfig() *config.Config {
 	return &config.Config{
 		Gateway:      config.Gateway{MaxInputBytes: 1024},
-		Capabilities: []config.Capability{{Name: "payments.send", Release: "v1", Adapter: "127.0.0.1:1"}},
+		Capabilities: []config.Capability{{Name: "payments.send", Release: "v1", Adapter: "127.0.0.1:1"},
+			{Name: "payments.process-file", Release: "v1", Steps: &config.ReleaseSteps{}}},
 	}
 }
 
@@ -139,6 +140,10 @@ func TestInvokeRefusals(t *testing.T) {
 		{"key too long", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.send", IdempotencyKey: strings.Repeat("k", 257)}, codes.InvalidArgument, "idempotency_key"},
 		{"NUL in key", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.send", IdempotencyKey: "a\x00b"}, codes.InvalidArgument, "idempotency_key"},
 		{"content type too long", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.send", ContentType: strings.Repeat("x", 129)}, codes.InvalidArgument, "content_type"},
+		{"steps: not JSON", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte("x")}, codes.InvalidArgument, "input"},
+		{"steps: no source", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"output":"o.csv"}`)}, codes.InvalidArgument, "input.source"},
+		{"steps: output escapes", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"in.csv","output":"../o.csv"}`)}, codes.InvalidArgument, "input.output"},
+		{"steps: unknown field", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"in.csv","output":"o.csv","x":1}`)}, codes.InvalidArgument, "input"},
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
