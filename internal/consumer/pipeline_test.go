@@ -82,14 +82,14 @@ type pipeline struct {
 
 // startPipeline runs a dispatcher and a consumer in this process against a
 // fresh database, an embedded Kafka and a fake adapter.
-func startPipeline(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), opts ...func(*config.Config)) *pipeline {
+func startPipeline(t testing.TB, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), opts ...func(*config.Config)) *pipeline {
 	t.Helper()
 	return startPipelineMetered(t, answer, nil, opts...)
 }
 
 // startPipelineMetered is startPipeline recording the dispatcher's and the
 // consumer's metrics on mp (nil: the global provider).
-func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), mp metric.MeterProvider, opts ...func(*config.Config)) *pipeline {
+func startPipelineMetered(t testing.TB, answer func(*adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error), mp metric.MeterProvider, opts ...func(*config.Config)) *pipeline {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	url := pgtest.NewDatabase(t, func(ctx context.Context, url string) error {
@@ -209,7 +209,7 @@ func startPipelineMetered(t *testing.T, answer func(*adapterv1.ExecuteRequest) (
 		stopDaemons: func() { cancel(); wg.Wait() }}
 }
 
-func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
+func (p *pipeline) invoke(t testing.TB, n int) []uuid.UUID {
 	t.Helper()
 	policy := p.cfg.Capabilities[0].Policy()
 	ids := make([]uuid.UUID, n)
@@ -225,12 +225,12 @@ func (p *pipeline) invoke(t *testing.T, n int) []uuid.UUID {
 	return ids
 }
 
-func (p *pipeline) waitSettled(t *testing.T, ids []uuid.UUID) map[uuid.UUID]execution.Execution {
+func (p *pipeline) waitSettled(t testing.TB, ids []uuid.UUID) map[uuid.UUID]execution.Execution {
 	t.Helper()
 	return p.waitSettledWithin(t, ids, 30*time.Second)
 }
 
-func (p *pipeline) waitSettledWithin(t *testing.T, ids []uuid.UUID, within time.Duration) map[uuid.UUID]execution.Execution {
+func (p *pipeline) waitSettledWithin(t testing.TB, ids []uuid.UUID, within time.Duration) map[uuid.UUID]execution.Execution {
 	t.Helper()
 	out := map[uuid.UUID]execution.Execution{}
 	require.Eventually(t, func() bool {
@@ -250,7 +250,7 @@ func (p *pipeline) waitSettledWithin(t *testing.T, ids []uuid.UUID, within time.
 	return out
 }
 
-func (p *pipeline) count(t *testing.T, sql string, args ...any) int {
+func (p *pipeline) count(t testing.TB, sql string, args ...any) int {
 	t.Helper()
 	conn, err := pgx.Connect(context.Background(), p.url)
 	require.NoError(t, err)

@@ -73,7 +73,7 @@ type kafkaPartner struct {
 	paused   chan struct{}  // closed: answering; while open, requests wait
 }
 
-func startKafkaPartner(t *testing.T, brokers []string, answer func(adapter.InteractionRequest) adapter.InteractionCompletion) *kafkaPartner {
+func startKafkaPartner(t testing.TB, brokers []string, answer func(adapter.InteractionRequest) adapter.InteractionCompletion) *kafkaPartner {
 	t.Helper()
 	logger := slog.New(slog.DiscardHandler)
 	cl, err := kafka.NewClient(brokers, logger, kgo.ConsumeTopics("items.requests"), kgo.ConsumerGroup("partner-"+uuid.NewString()),
@@ -137,7 +137,7 @@ func decidePayment(req adapter.InteractionRequest) adapter.InteractionCompletion
 }
 
 // invokeSteps inserts one execution of capability 0 over source → output.
-func (p *pipeline) invokeSteps(t *testing.T, source, output string) uuid.UUID {
+func (p *pipeline) invokeSteps(t testing.TB, source, output string) uuid.UUID {
 	t.Helper()
 	policy := p.cfg.Capabilities[0].Policy()
 	in, _ := json.Marshal(steps.Input{Source: source, Output: output})
@@ -150,7 +150,7 @@ func (p *pipeline) invokeSteps(t *testing.T, source, output string) uuid.UUID {
 	return e.ID
 }
 
-func copyFile(t *testing.T, from, to string) {
+func copyFile(t testing.TB, from, to string) {
 	t.Helper()
 	b, err := os.ReadFile(from)
 	require.NoError(t, err)
