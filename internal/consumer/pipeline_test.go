@@ -159,7 +159,9 @@ func startPipelineMetered(t testing.TB, answer func(*adapterv1.ExecuteRequest) (
 		if sender != nil {
 			s = sender
 		}
-		runner := steps.NewRunner(st, objects, s, adapterclient.NewPool(), hub, logger)
+		pool := adapterclient.NewPool()
+		t.Cleanup(pool.Close)
+		runner := steps.NewRunner(st, objects, s, pool, hub, logger)
 		runner.Poll = 200 * time.Millisecond
 		copts = append(copts, consumer.WithSteps(runner))
 		listen = func(ctx context.Context) error { return st.ListenItems(ctx, hub.Notify) }

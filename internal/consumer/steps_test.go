@@ -6,12 +6,16 @@ import (
 	"encoding/csv"
 	"encoding/json"
 	"fmt"
+	"io"
 	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -23,10 +27,12 @@ import (
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
 	"github.com/capstan-dev/capstan/internal/config"
 	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/gateway"
 	"github.com/capstan-dev/capstan/internal/kafka"
 	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	"github.com/capstan-dev/capstan/pkg/adapter"
+	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 )
 
 const testCallbackSecret = "c2VjcmV0LXNlY3JldC1zZWNyZXQtc2VjcmV0LXNlY3JldC0xMjM0NQ=="
@@ -46,8 +52,7 @@ func withSteps(dir, cardinality string, window int, columns []config.Column) fun
 	return func(c *config.Config) {
 		c.CallbackSecret = testCallbackSecret
 		c.ObjectStore.Dir = dir
-		cp := &c.Capabilities[0]
-		cp.Adapter = ""
+		cp := &c.Capabilities[0] // Adapter stays: it serves the map step's tests
 		cp.MaxAttempts = 3
 		cp.Steps = &config.ReleaseSteps{
 			Source: &config.SourceStep{Format: "csv"},
@@ -442,4 +447,165 @@ func TestStepsPublishFailure(t *testing.T) {
 		require.Equal(t, 1, n, "interaction %s was sent again by a retry", iid)
 	}
 	require.Equal(t, 3, p.count(t, `SELECT count(*) FROM interactions`))
+}
+
+// TestStepsWebhookTransport: items go out as signed webhook POSTs and come
+// back through the gateway's completion endpoint; a POST the partner
+// refuses once is retried by the background sender, with the same
+// interaction.
+func TestStepsWebhookTransport(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	var src strings.Builder
+	src.WriteString("ID,Amount\n")
+	for i := 1; i <= 20; i++ {
+		fmt.Fprintf(&src, "%d,%d\n", i, i*10)
+	}
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.csv"), []byte(src.String()), 0o644))
+
+	var handler atomic.Pointer[gateway.CompletionHandler]
+	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { handler.Load().ServeHTTP(w, r) }))
+	defer gw.Close()
+	var mu sync.Mutex
+	posts := map[string]int{}
+	var wg sync.WaitGroup
+	partner := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		if err := adapter.VerifyWebhook(r.Header, partnerSecret, body, time.Now(), time.Minute); err != nil {
+			http.Error(w, err.Error(), http.StatusUnauthorized)
+			return
+		}
+		var req adapter.InteractionRequest
+		require.NoError(t, json.Unmarshal(body, &req))
+		var it map[string]string
+		require.NoError(t, json.Unmarshal(req.Request, &it))
+		mu.Lock()
+		posts[it["ID"]]++
+		n := posts[it["ID"]]
+		mu.Unlock()
+		if it["ID"] == "7" && n == 1 {
+			http.Error(w, "busy", http.StatusServiceUnavailable) // the first POST of row 7 fails
+			return
+		}
+		w.WriteHeader(http.StatusAccepted)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			done, _ := json.Marshal(adapter.InteractionCompletion{ResumeToken: req.ResumeToken,
+				Result: &adapter.CompletionResult{Output: []byte(`{"ok":"` + it["ID"] + `"}`)}})
+			hr, _ := http.NewRequest(http.MethodPost, req.CompletionURL, bytes.NewReader(done))
+			if adapter.SignWebhook(hr.Header, partnerSecret, uuid.NewString(), time.Now(), done) != nil {
+				return
+			}
+			if resp, err := http.DefaultClient.Do(hr); err == nil {
+				resp.Body.Close()
+			}
+		}()
+	}))
+	defer partner.Close()
+	defer wg.Wait()
+
+	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 4, []config.Column{
+		{Name: "id", Value: "item.ID"}, {Name: "ok", Value: "result.ok"}, {Name: "sends", Value: "sends"}}),
+		func(c *config.Config) {
+			c.Gateway.PublicURL = gw.URL
+			c.Capabilities[0].Steps.Await = &config.AwaitStep{Transport: "webhook", URL: partner.URL, Secret: partnerSecret,
+				Timeout: time.Minute, Cardinality: config.OneToOne, Window: 4, MaxItems: config.DefaultMaxItems}
+		})
+	handler.Store(gateway.NewCompletionHandler(p.store, p.cfg, slog.New(slog.DiscardHandler)))
+	id := p.invokeSteps(t, "in/x.csv", "out/x.csv")
+	e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
+	require.Equal(t, execution.StatusSucceeded, e.Status, "failure: %+v", e.Failure)
+	out := readCSV(t, filepath.Join(dir, "out", "x.csv"))
+	require.Len(t, out, 21)
+	for i := 1; i <= 20; i++ {
+		sends := "1"
+		if i == 7 {
+			sends = "2"
+		}
+		require.Equal(t, []string{strconv.Itoa(i), strconv.Itoa(i), sends}, out[i], "row %d", i)
+	}
+	require.Equal(t, 20, p.count(t, `SELECT count(*) FROM interactions`))
+}
+
+// TestStepsInteractionAPI: nothing is pushed; the items are listed as
+// pending and completed through the interaction API, no more than the
+// window at a time.
+func TestStepsInteractionAPI(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.jsonl"),
+		[]byte("{\"n\":1}\n{\"n\":2}\n{\"n\":3}\n{\"n\":4}\n{\"n\":5}\n"), 0o644))
+	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 2, nil), func(c *config.Config) {
+		st := c.Capabilities[0].Steps
+		st.Source.Format = "jsonl"
+		st.Publish.Format = "jsonl"
+		st.Publish.Columns = []config.Column{{Name: "item", Value: "item"}, {Name: "result", Value: "result"}, {Name: "status", Value: "status"}}
+		st.Await = &config.AwaitStep{Transport: "interaction-api", Timeout: time.Minute, Cardinality: config.OneToOne, Window: 2,
+			MaxItems: config.DefaultMaxItems}
+	})
+	id := p.invokeSteps(t, "in/x.jsonl", "out/x.jsonl")
+	ctx := context.Background()
+	completed := 0
+	require.Eventually(t, func() bool {
+		pending, err := p.store.InteractionListPending(ctx, "payments.send", time.Time{}, uuid.Nil, 100)
+		require.NoError(t, err)
+		require.LessOrEqual(t, len(pending), 2, "never more pending than the window")
+		for _, it := range pending {
+			var in map[string]int
+			require.NoError(t, json.Unmarshal(it.Request, &in))
+			_, err := p.store.CompleteInteraction(ctx, pgstore.CompleteParams{InteractionID: it.ID, ApplicationID: p.app.ID,
+				Outcome: execution.Outcome{Succeeded: true, Output: []byte(fmt.Sprintf(`{"square":%d}`, in["n"]*in["n"]))}})
+			require.NoError(t, err)
+			completed++
+		}
+		return completed == 5
+	}, time.Minute, 20*time.Millisecond)
+	e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
+	require.Equal(t, execution.StatusSucceeded, e.Status, "failure: %+v", e.Failure)
+	got, err := os.ReadFile(filepath.Join(dir, "out", "x.jsonl"))
+	require.NoError(t, err)
+	var want strings.Builder
+	for n := 1; n <= 5; n++ {
+		fmt.Fprintf(&want, `{"item":{"n":%d},"result":{"square":%d},"status":"SUCCEEDED"}`+"\n", n, n*n)
+	}
+	require.Equal(t, want.String(), string(got))
+}
+
+// TestStepsMap: each successful item's result goes through the map
+// adapter before it is published; a map's non-retryable failure becomes
+// that row's failure, not the execution's.
+func TestStepsMap(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.csv"), []byte("ID\n1\n2\n3\n"), 0o644))
+	mapper := func(req *adapterv1.ExecuteRequest) (*adapterv1.ExecuteResponse, error) {
+		var in map[string]string
+		_ = json.Unmarshal(req.GetInput(), &in)
+		if in["id"] == "2" {
+			return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Failure{Failure: &adapterv1.Failure{
+				Class: "map.refused", Message: "no", Retryable: false}}}, nil
+		}
+		return &adapterv1.ExecuteResponse{Outcome: &adapterv1.ExecuteResponse_Result{Result: &adapterv1.Result{
+			Output: []byte(`{"id":"` + in["id"] + `","mapped":true}`)}}}, nil
+	}
+	p := startPipeline(t, mapper, withSteps(dir, config.OneToOne, 2, []config.Column{
+		{Name: "id", Value: "item.ID"}, {Name: "mapped", Value: "result.mapped"}, {Name: "status", Value: "status"}, {Name: "class", Value: "failure.class"}}),
+		func(c *config.Config) {
+			c.Capabilities[0].Steps.Map = &config.MapStep{Adapter: c.Capabilities[0].Adapter, Timeout: 5 * time.Second}
+		})
+	startKafkaPartner(t, p.brokers, func(req adapter.InteractionRequest) adapter.InteractionCompletion {
+		var it map[string]string
+		_ = json.Unmarshal(req.Request, &it)
+		return adapter.InteractionCompletion{ResumeToken: req.ResumeToken, Result: &adapter.CompletionResult{Output: []byte(`{"id":"` + it["ID"] + `"}`)}}
+	})
+	id := p.invokeSteps(t, "in/x.csv", "out/x.csv")
+	e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
+	require.Equal(t, execution.StatusSucceeded, e.Status, "failure: %+v", e.Failure)
+	got, err := os.ReadFile(filepath.Join(dir, "out", "x.csv"))
+	require.NoError(t, err)
+	require.Equal(t, "id,mapped,status,class\n1,true,SUCCEEDED,\n2,,FAILED,map.refused\n3,true,SUCCEEDED,\n", string(got))
 }
