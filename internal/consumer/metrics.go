@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/capstan-dev/capstan/internal/steps"
 	"strconv"
 	"time"
 
@@ -15,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/capstan-dev/capstan/internal/execution"
+	"github.com/capstan-dev/capstan/internal/steps"
 )
 
 // Metric names (OpenTelemetry; the meter is

@@ -95,7 +95,11 @@ func Main(ctx context.Context, cfg *config.Config, logger *slog.Logger) error {
 		if sender != nil {
 			s = sender
 		}
-		WithSteps(steps.NewRunner(store, objects, s, c.adapters, hub, logger))(c)
+		runner := steps.NewRunner(store, objects, s, c.adapters, hub, logger)
+		if err := runner.Instrument(otel.GetMeterProvider()); err != nil {
+			logger.Warn("steps metrics not fully registered", "error", err)
+		}
+		WithSteps(runner)(c)
 		listen = func(ctx context.Context) error { return store.ListenItems(ctx, hub.Notify) }
 	}
 	health := daemon.NewHealth(func(ctx context.Context) error {

@@ -44,7 +44,7 @@ type bundle struct {
 
 func testConfig() *config.Config {
 	return &config.Config{
-		Gateway:      config.Gateway{MaxInputBytes: 1024},
+		Gateway: config.Gateway{MaxInputBytes: 1024},
 		Capabilities: []config.Capability{{Name: "payments.send", Release: "v1", Adapter: "127.0.0.1:1"},
 			{Name: "payments.process-file", Release: "v1", Steps: &config.ReleaseSteps{}}},
 	}

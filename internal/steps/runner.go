@@ -64,6 +64,7 @@ type Runner struct {
 	mapper  Mapper
 	hub     *Hub
 	logger  *slog.Logger
+	m       metrics
 	// Poll is how often a waiting session re-reads its items when no
 	// notification arrives (a missed notification costs at most this).
 	Poll time.Duration
@@ -77,7 +78,7 @@ type Runner struct {
 // NewRunner returns a runner. sender may be nil when no release uses a
 // pushed transport, mapper when none has a map step.
 func NewRunner(store *pgstore.Store, objects objectstore.Store, sender Sender, mapper Mapper, hub *Hub, logger *slog.Logger) *Runner {
-	return &Runner{store: store, objects: objects, sender: sender, mapper: mapper, hub: hub, logger: logger,
+	return &Runner{store: store, objects: objects, sender: sender, mapper: mapper, hub: hub, logger: logger, m: noopMetrics(),
 		Poll: time.Second, SendRetry: time.Second, ClaimFor: 30 * time.Second}
 }
 

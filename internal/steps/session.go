@@ -181,6 +181,7 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 	window := s.a.Window
 	slots := make([]*slot, window)
 	head, next := 0, 0
+	defer func() { s.r.m.inFlight.Add(context.WithoutCancel(ctx), -int64(next-head)) }()
 	eof := false
 	s.mapped = make(chan mapDone, window)
 	defer s.drainMaps()
@@ -209,10 +210,12 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 					slots[st.Seq%window] = sl
 					if st.Outcome != nil {
 						s.sum.Replayed++
+						s.r.count(ctx, "replayed", 1)
 						s.terminal(ctx, sl)
 					}
 				}
 				next += len(batch)
+				s.r.m.inFlight.Add(ctx, int64(len(batch)))
 				s.sum.MaxInFlight = max(s.sum.MaxInFlight, next-head)
 			}
 		}
@@ -223,6 +226,8 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 			}
 			slots[head%window] = nil
 			head++
+			s.r.m.inFlight.Add(ctx, -1)
+			s.r.count(ctx, "consumed", 1)
 		}
 		s.sum.Items = next
 		if eof && head == next {
@@ -281,6 +286,7 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 		}
 	}
 	s.sum.Sent += len(ok)
+	s.r.count(ctx, "sent", len(ok))
 	// Recording the sends may fail at shutdown: the claim then expires and
 	// the items are sent again with the same interaction id.
 	if len(ok) > 0 {
