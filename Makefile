@@ -7,6 +7,7 @@ TOOLS      := $(CURDIR)/.tools
 GO         ?= go
 INPUT      ?= examples/csv-payments/testdata/payments_1k.csv
 MODE       ?= direct
+SHAPE      ?= row
 GOTEST_FLAGS ?= -race -count=1 -timeout 20m
 
 # Pinned code generators (installed into .tools/ by `make tools`).
@@ -29,8 +30,8 @@ build: ## Build the daemons, capstanctl and the example binaries into bin/.
 	$(GO) build -o $(BIN)/csv-payments-app ./examples/csv-payments/app
 
 .PHONY: demo
-demo: build ## Run the csv-payments demo on the embedded stack (INPUT=file.csv, MODE=direct|webhook|kafka|callback).
-	$(BIN)/capstanctl dev --bin-dir $(BIN) --demo-input $(INPUT) --demo-mode $(MODE)
+demo: build ## Run the csv-payments demo on the embedded stack (INPUT=file.csv, MODE=direct|webhook|kafka|callback, SHAPE=row|file: one execution per row, or the whole file as one over kafka).
+	$(BIN)/capstanctl dev --bin-dir $(BIN) --demo-input $(INPUT) --demo-mode $(MODE) --demo-shape $(SHAPE)
 
 .PHONY: test
 test: check-generated ## Check generated code, then run every test (unit, PostgreSQL + kfake integration, end to end) with the race detector.

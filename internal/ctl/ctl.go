@@ -5,7 +5,7 @@
 //	capstanctl execution get ID          show one execution (operator view)
 //	capstanctl consumers list|get|set|…  manage event consumers (admin API)
 //	capstanctl events list|show|replay   inspect and replay completion events (admin API)
-//	capstanctl dev [--demo-input F] [--demo-mode M]  run the embedded stack (make demo)
+//	capstanctl dev [--demo-input F] [--demo-mode M] [--demo-shape S]  run the embedded stack (make demo)
 //
 // Database commands read DATABASE_URL or --database-url; consumers and
 // events call the gateway's admin API (--admin-addr, --admin-token or
@@ -45,10 +45,12 @@ Commands:
                                         manage event consumers through the admin API
   events list [--app ID] [--status S] [--since T] | show ID [--payload] | replay ID [--force]
             | replay --app ID --since T  inspect events; replay one, or every DEAD one since T
-  dev [--demo-input F] [--demo-mode M] [--bin-dir D]
+  dev [--demo-input F] [--demo-mode M] [--demo-shape S] [--bin-dir D]
                                         run the embedded stack; with --demo-input, run the
                                         csv-payments demo on F and stop when it finishes;
-                                        M is direct (default), webhook, kafka or callback
+                                        M is direct (default), webhook, kafka or callback;
+                                        S is row (default: one execution per row) or file
+                                        (the whole file is one execution, over kafka)
   config print [--config PATH]          print the effective configuration (file + CAPSTAN_*
                                         variables, defaults applied) as YAML, secrets masked
 
@@ -202,7 +204,8 @@ func dev(ctx context.Context, args []string, out, errOut io.Writer) error {
 	binDir := fs.String("bin-dir", "bin", "folder with the daemon and example binaries (make build)")
 	runDir := fs.String("run-dir", "run", "parent folder of the run folders (logs, config, output)")
 	input := fs.String("demo-input", "", "CSV of payments (ID,Recipient,Amount,Currency) to run through the demo")
-	mode := fs.String("demo-mode", "direct", "how Capstan reaches the demo provider: direct (AdapterService), webhook or kafka (await step on that transport)")
+	mode := fs.String("demo-mode", "direct", "how Capstan reaches the demo provider: direct (AdapterService), webhook or kafka (await step on that transport), callback (accepted, then AdapterCallbackService)")
+	shape := fs.String("demo-shape", "row", "what one execution is: row (payments.send per CSV row) or file (the whole file as one execution of payments.process-file, over the kafka transport; --demo-mode must be direct or kafka)")
 	verbose := fs.Bool("v", false, "log the stack's own steps to stderr")
 	if err := fs.Parse(args); err != nil {
 		return ErrUsage
@@ -216,7 +219,7 @@ func dev(ctx context.Context, args []string, out, errOut io.Writer) error {
 		brokers = strings.Split(b, ",")
 	}
 	return devstack.Run(ctx, devstack.Options{
-		BinDir: *binDir, RunDir: *runDir, DemoInput: *input, DemoMode: *mode,
+		BinDir: *binDir, RunDir: *runDir, DemoInput: *input, DemoMode: *mode, DemoShape: *shape,
 		DatabaseURL: os.Getenv("DATABASE_URL"), KafkaBrokers: brokers, Out: out, Logger: logger,
 	})
 }

@@ -14,6 +14,17 @@
 // "accepted", so every attempt parks on the interaction-api transport until
 // the provider calls the gateway's AdapterCallbackService with the
 // attempt's callback token and its adapter key.
+//
+// The demo shape picks what one execution is: "row" (default) invokes
+// payments.send once per CSV row, in the chosen mode; "file" makes the
+// whole file one execution of payments.process-file, a release declared
+// as steps (SYSTEM §6): the application uploads the CSV into the run's
+// object store (<run folder>/objects), the consumer streams its rows as
+// items over the kafka transport to the provider (at most a window of them
+// in flight) and publishes the output CSV as one object, which the
+// application copies to its output path. The file shape always uses the
+// kafka transport: with it the demo mode must be direct (the default,
+// which then means kafka) or kafka.
 package devstack
 
 import (
@@ -54,6 +65,10 @@ type Options struct {
 	// DemoMode is how Capstan reaches the provider: ModeDirect (default),
 	// ModeWebhook, ModeKafka or ModeCallback.
 	DemoMode string
+	// DemoShape is what one execution is: ShapeRow (default, one per CSV
+	// row) or ShapeFile (the whole file, over the kafka transport; DemoMode
+	// must then be empty, ModeDirect or ModeKafka).
+	DemoShape string
 	// DatabaseURL, when set, is used instead of a throwaway cluster.
 	DatabaseURL string
 	// KafkaBrokers, when set, are used instead of the embedded Kafka.
@@ -86,6 +101,30 @@ const (
 	ResponseTopic = "payments.responses"
 )
 
+// Demo shapes (Options.DemoShape).
+const (
+	// ShapeRow: the application invokes payments.send once per row.
+	ShapeRow = "row"
+	// ShapeFile: the application uploads the file and invokes
+	// FileCapability once; its rows travel as items on ItemRequestTopic
+	// and ItemResponseTopic.
+	ShapeFile = "file"
+)
+
+// FileCapability is the file shape's capability, a release declared as
+// steps.
+const FileCapability = "payments.process-file"
+
+// The file shape's item topics.
+const (
+	ItemRequestTopic  = "payments.items.requests"
+	ItemResponseTopic = "payments.items.responses"
+)
+
+// fileWindow is the file shape's await.window: the items sent and not yet
+// consumed at most.
+const fileWindow = 128
+
 // awaitTimeout is the demo's interaction deadline (await.timeout).
 const awaitTimeout = 2 * time.Minute
 
@@ -94,6 +133,11 @@ var (
 	ErrDemoFailed = errors.New("demo application failed")
 	// ErrDemoMode is returned for an unknown Options.DemoMode.
 	ErrDemoMode = errors.New("unknown demo mode")
+	// ErrShapeMode is returned for a demo mode the demo shape cannot run
+	// (the file shape with webhook or callback).
+	ErrShapeMode = errors.New("demo mode not available in this demo shape")
+	// ErrDemoShape is returned for an unknown Options.DemoShape.
+	ErrDemoShape = errors.New("unknown demo shape")
 )
 
 // Run starts the stack and runs it until the demo finishes or ctx ends.
@@ -107,6 +151,21 @@ func Run(ctx context.Context, o Options) (err error) {
 	case ModeDirect, ModeWebhook, ModeKafka, ModeCallback:
 	default:
 		return fmt.Errorf("%w %q: want %s, %s, %s or %s", ErrDemoMode, o.DemoMode, ModeDirect, ModeWebhook, ModeKafka, ModeCallback)
+	}
+	switch o.DemoShape {
+	case "":
+		o.DemoShape = ShapeRow
+	case ShapeRow:
+	case ShapeFile:
+		// The file shape runs over the kafka transport; direct is the
+		// default mode and means "not chosen".
+		if o.DemoMode != ModeDirect && o.DemoMode != ModeKafka {
+			return fmt.Errorf("%w: mode %q, shape %s: the file shape always uses the kafka transport (use mode %s, the default, or %s)",
+				ErrShapeMode, o.DemoMode, ShapeFile, ModeDirect, ModeKafka)
+		}
+		o.DemoMode = ModeKafka
+	default:
+		return fmt.Errorf("%w %q: want %s or %s", ErrDemoShape, o.DemoShape, ShapeRow, ShapeFile)
 	}
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
@@ -154,8 +213,18 @@ func Run(ctx context.Context, o Options) (err error) {
 		return err
 	}
 
+	objectsDir := ""
+	if o.DemoShape == ShapeFile {
+		objectsDir = filepath.Join(runDir, "objects")
+		if err := os.MkdirAll(objectsDir, 0o755); err != nil {
+			return err
+		}
+	}
 	topics := map[string]int32{executionTopic: executionPartitions}
-	if o.DemoMode == ModeKafka {
+	switch {
+	case o.DemoShape == ShapeFile:
+		topics[ItemRequestTopic], topics[ItemResponseTopic] = executionPartitions, executionPartitions
+	case o.DemoMode == ModeKafka:
 		topics[RequestTopic], topics[ResponseTopic] = executionPartitions, executionPartitions
 	}
 	brokers := o.KafkaBrokers
@@ -182,7 +251,8 @@ func Run(ctx context.Context, o Options) (err error) {
 		gateway: ports[0], gatewayAdmin: ports[1], dispatcher: ports[2], dispatcherAdmin: ports[3],
 		consumerAdmin: ports[4], routerAdmin: ports[5], provider: ports[6], app: ports[7],
 		gatewayHTTP: ports[8], providerHTTP: ports[9], providerAdmin: ports[10],
-		dbURL: dbURL, brokers: brokers, mode: o.DemoMode, adminToken: randomKey("adm_"),
+		dbURL: dbURL, brokers: brokers, mode: o.DemoMode, shape: o.DemoShape, objectsDir: objectsDir,
+		adminToken: randomKey("adm_"),
 	}
 	s.secrets()
 	cfgPath := filepath.Join(runDir, "capstan.yaml")
@@ -242,7 +312,11 @@ func Run(ctx context.Context, o Options) (err error) {
 		}
 	}
 	fmt.Fprintf(o.Out, "daemons ready: gateway 127.0.0.1:%d (gRPC, reflection on), logs in %s\n", s.gateway, runDir)
-	fmt.Fprintf(o.Out, "demo mode %s: %s\n", s.mode, s.describeMode())
+	if s.shape == ShapeFile {
+		fmt.Fprintf(o.Out, "demo shape file: %s\n", s.describeMode())
+	} else {
+		fmt.Fprintf(o.Out, "demo mode %s: %s\n", s.mode, s.describeMode())
+	}
 
 	appEnv := []string{
 		fmt.Sprintf("CAPSTAN_GATEWAY=127.0.0.1:%d", s.gateway),
@@ -250,9 +324,16 @@ func Run(ctx context.Context, o Options) (err error) {
 		fmt.Sprintf("APP_WEBHOOK_LISTEN=127.0.0.1:%d", s.app),
 		"APP_WEBHOOK_SECRET=" + secret,
 	}
+	appArgs := []string{"--out-dir", runDir}
+	if s.shape == ShapeFile {
+		appArgs = append(appArgs, "--shape", ShapeFile, "--objects-dir", s.objectsDir)
+	}
 	if o.DemoInput == "" {
 		fmt.Fprintf(o.Out, "application csv-payments-demo: %s\n", strings.Join(appEnv[:2], " "))
 		fmt.Fprintf(o.Out, "operator API: CAPSTAN_ADMIN_ADDR=127.0.0.1:%d CAPSTAN_ADMIN_TOKEN=%s (capstanctl consumers/events)\n", s.gateway, s.adminToken)
+		if s.shape == ShapeFile {
+			fmt.Fprintf(o.Out, "object store: %s (invoke %s with {\"source\": \"<key>\", \"output\": \"<key>\"})\n", s.objectsDir, FileCapability)
+		}
 		fmt.Fprintf(o.Out, "note: the application's webhook consumer %s has no listener without --demo-input; its events retry and end DEAD (replayable)\n",
 			fmt.Sprintf("http://127.0.0.1:%d/events", s.app))
 		fmt.Fprintln(o.Out, "Press Ctrl-C to stop.")
@@ -264,7 +345,7 @@ func Run(ctx context.Context, o Options) (err error) {
 		return err
 	}
 	app, err := startProcess("app", filepath.Join(o.BinDir, "csv-payments-app"),
-		[]string{"--input", in, "--out-dir", runDir}, appEnv, runDir, o.Out)
+		append([]string{"--input", in}, appArgs...), appEnv, runDir, o.Out)
 	if err != nil {
 		return err
 	}
@@ -291,6 +372,9 @@ type stack struct {
 	dbURL                                    string
 	brokers                                  []string
 	mode                                     string
+	// shape is ShapeRow or ShapeFile (whose mode is always ModeKafka);
+	// objectsDir is the file shape's object_store.dir.
+	shape, objectsDir string
 	// awaitSecret (whsec_…) is shared by Capstan and the provider in
 	// webhook mode; callbackSecret signs resume tokens (await modes) and
 	// callback tokens (callback mode).
@@ -323,8 +407,19 @@ func (s stack) providerArgs() (args, env []string) {
 		args = append(args, "--http-listen", fmt.Sprintf("127.0.0.1:%d", s.providerHTTP))
 		env = append(env, "PROVIDER_WEBHOOK_SECRET="+s.awaitSecret)
 	case ModeKafka:
-		args = append(args, "--kafka-brokers", strings.Join(s.brokers, ","), "--request-topic", RequestTopic,
-			"--response-topic", ResponseTopic, "--kafka-group", "csv-payments-provider")
+		req, resp := RequestTopic, ResponseTopic
+		if s.shape == ShapeFile {
+			req, resp = ItemRequestTopic, ItemResponseTopic
+		}
+		args = append(args, "--kafka-brokers", strings.Join(s.brokers, ","), "--request-topic", req,
+			"--response-topic", resp, "--kafka-group", "csv-payments-provider")
+		if s.shape == ShapeFile {
+			// A transient failure of an item is a terminal row in the file
+			// shape (the item's interaction spans attempts), while the row
+			// shape retries it: without them both shapes write the same
+			// output.
+			args = append(args, "--retryable-fraction", "0")
+		}
 	case ModeCallback:
 		args = append(args, "--listen", fmt.Sprintf("127.0.0.1:%d", s.provider), "--gateway", fmt.Sprintf("127.0.0.1:%d", s.gateway))
 		env = append(env, "PROVIDER_ADAPTER_KEY="+s.adapterKey)
@@ -336,6 +431,10 @@ func (s stack) providerArgs() (args, env []string) {
 
 // describeMode says in one line how Capstan reaches the provider.
 func (s stack) describeMode() string {
+	if s.shape == ShapeFile {
+		return fmt.Sprintf("the whole file is one execution of %s: rows as items on %s (window %d), completions on %s, output published in %s",
+			FileCapability, ItemRequestTopic, fileWindow, ItemResponseTopic, s.objectsDir)
+	}
 	switch s.mode {
 	case ModeWebhook:
 		return fmt.Sprintf("await step, signed POSTs to 127.0.0.1:%d/requests, completions to 127.0.0.1:%d%s",
@@ -401,7 +500,7 @@ func (s stack) gatewayAwaitConfig() (gateway, top string) {
 // demo: retries after 200 ms … 5 s instead of 1 min … 6 h.
 func (s stack) config() string {
 	gw, top := s.gatewayAwaitConfig()
-	return fmt.Sprintf(`# Written by capstanctl dev for one run (demo mode %s); time is compressed for the demo.
+	return fmt.Sprintf(`# Written by capstanctl dev for one run (%s); time is compressed for the demo.
 %sdatabase:
   url: %q
 kafka:
@@ -433,7 +532,27 @@ router:
   per_application_concurrency: 64
 log:
   level: info
-capabilities:
+%s`, s.describeRun(), top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
+		s.gateway, s.gatewayAdmin, s.dispatcher, s.adminToken, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin,
+		s.capabilitiesConfig())
+}
+
+// describeRun names the run's demo mode and shape in the configuration's
+// first line.
+func (s stack) describeRun() string {
+	if s.shape == ShapeFile {
+		return "demo shape file, kafka transport"
+	}
+	return "demo mode " + s.mode
+}
+
+// capabilitiesConfig renders the capabilities: payments.send in the row
+// shape, payments.process-file in the file shape.
+func (s stack) capabilitiesConfig() string {
+	if s.shape == ShapeFile {
+		return s.fileCapabilityConfig()
+	}
+	return fmt.Sprintf(`capabilities:
   - name: payments.send
     release: v1
     adapter: 127.0.0.1:%d
@@ -442,9 +561,50 @@ capabilities:
     attempt_timeout: 5s
     lease_duration: 10s
     async_budget: 10m
-%s%s`, s.mode, top, s.dbURL, strings.Join(s.brokers, ", "), executionTopic, executionPartitions,
-		s.gateway, s.gatewayAdmin, s.dispatcher, s.adminToken, gw, s.dispatcher, s.dispatcherAdmin, s.consumerAdmin, s.routerAdmin, s.provider,
-		s.adapterKeyConfig(), s.awaitConfig())
+%s%s`, s.provider, s.adapterKeyConfig(), s.awaitConfig())
+}
+
+// fileColumns are the file shape's output columns: the row shape's output
+// header (examples/csv-payments/app, OutputHeader), Attempts being how
+// many times the row's request was sent and ExecutionID the file's
+// execution.
+var fileColumns = [][2]string{
+	{"ID", "item.ID"}, {"Recipient", "item.Recipient"}, {"Amount", "item.Amount"}, {"Currency", "item.Currency"},
+	{"Status", "status"}, {"ProviderReference", "result.provider_reference"}, {"Fee", "result.fee"},
+	{"FailureClass", "failure.class"}, {"FailureMessage", "failure.message"},
+	{"Attempts", "sends"}, {"ExecutionID", "execution_id"},
+}
+
+// fileCapabilityConfig renders payments.process-file and the object store
+// of the file shape.
+func (s stack) fileCapabilityConfig() string {
+	var cols strings.Builder
+	for _, c := range fileColumns {
+		fmt.Fprintf(&cols, "          - {name: %s, value: %s}\n", c[0], c[1])
+	}
+	return fmt.Sprintf(`object_store:
+  dir: %q
+capabilities:
+  # The whole CSV is one execution: input {"source": "<key>", "output": "<key>"}.
+  - name: %s
+    release: v1
+    max_attempts: 10
+    retry_delays: [200ms, 500ms, 1s, 2s, 5s]
+    lease_duration: 10s
+    async_budget: 10m
+    steps:
+      source:
+        format: csv
+      await:
+        transport: kafka
+        request_topic: %s
+        response_topic: %s
+        window: %d
+        timeout: %s
+      publish:
+        format: csv
+        columns:
+%s`, s.objectsDir, FileCapability, ItemRequestTopic, ItemResponseTopic, fileWindow, awaitTimeout, cols.String())
 }
 
 // ensureTopics creates the topics on an external Kafka unless they exist.

@@ -139,6 +139,96 @@ func TestProviderArgs(t *testing.T) {
 	}
 }
 
+// testFileStack is testStack in the file shape.
+func testFileStack() stack {
+	s := testStack(ModeKafka)
+	s.shape, s.objectsDir = ShapeFile, "/tmp/run/objects"
+	return s
+}
+
+// TestConfigFileShape loads the file shape's configuration with the
+// daemons' own loader: payments.process-file is a release declared as
+// steps over the kafka item topics, publishing the row shape's columns.
+func TestConfigFileShape(t *testing.T) {
+	t.Parallel()
+	s := testFileStack()
+	path := filepath.Join(t.TempDir(), "capstan.yaml")
+	if err := os.WriteFile(path, []byte(s.config()), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	cfg, err := config.Load(path)
+	if err != nil {
+		t.Fatalf("%v\n%s", err, s.config())
+	}
+	if cfg.ObjectStore.Dir != s.objectsDir || cfg.CallbackSecret != s.callbackSecret || cfg.CallbackSecret == "" ||
+		cfg.Gateway.PublicURL != "http://127.0.0.1:1009" {
+		t.Errorf("object store %q, callback secret %q, gateway %+v", cfg.ObjectStore.Dir, cfg.CallbackSecret, cfg.Gateway)
+	}
+	if len(cfg.Capabilities) != 1 {
+		t.Fatalf("capabilities = %+v, want only %s", cfg.Capabilities, FileCapability)
+	}
+	cp, ok := cfg.Lookup(FileCapability)
+	if !ok || cp.Steps == nil || cp.Adapter != "" || cp.Await != nil {
+		t.Fatalf("%s = %+v, %v", FileCapability, cp, ok)
+	}
+	st := cp.Steps
+	if st.Source == nil || st.Source.Format != "csv" || st.Publish == nil || st.Publish.Format != "csv" || st.Map != nil {
+		t.Errorf("steps = %+v", st)
+	}
+	want := config.AwaitStep{Transport: "kafka", RequestTopic: ItemRequestTopic, ResponseTopic: ItemResponseTopic,
+		Timeout: awaitTimeout, Cardinality: config.OneToOne, Window: fileWindow, MaxItems: config.DefaultMaxItems}
+	if st.Await == nil || *st.Await != want {
+		t.Errorf("await = %+v, want %+v", st.Await, want)
+	}
+	// The columns of the row shape's output (csvapp.OutputHeader).
+	var names, values []string
+	for _, c := range st.Publish.Columns {
+		names, values = append(names, c.Name), append(values, c.Value)
+	}
+	if got := strings.Join(names, ","); got != "ID,Recipient,Amount,Currency,Status,ProviderReference,Fee,FailureClass,FailureMessage,Attempts,ExecutionID" {
+		t.Errorf("columns = %s", got)
+	}
+	if got := strings.Join(values, ","); got != "item.ID,item.Recipient,item.Amount,item.Currency,status,result.provider_reference,result.fee,failure.class,failure.message,sends,execution_id" {
+		t.Errorf("column values = %s", got)
+	}
+}
+
+func TestProviderArgsFileShape(t *testing.T) {
+	t.Parallel()
+	args, env := testFileStack().providerArgs()
+	want := []string{"--mode", "kafka", "--admin-listen", "127.0.0.1:1011", "--kafka-brokers", "127.0.0.1:9092,127.0.0.1:9093",
+		"--request-topic", ItemRequestTopic, "--response-topic", ItemResponseTopic, "--kafka-group", "csv-payments-provider",
+		"--retryable-fraction", "0"}
+	if !slices.Equal(args, want) || env != nil {
+		t.Errorf("args = %q, env %q; want %q", args, env, want)
+	}
+}
+
+// TestRunRejectsShapeCombinations: an unknown shape, and the file shape
+// with a mode other than direct (the default) or kafka, fail before
+// anything starts.
+func TestRunRejectsShapeCombinations(t *testing.T) {
+	t.Parallel()
+	for _, tt := range []struct {
+		mode, shape string
+		want        error
+	}{
+		{ModeDirect, "column", ErrDemoShape},
+		{ModeWebhook, ShapeFile, ErrShapeMode},
+		{ModeCallback, ShapeFile, ErrShapeMode},
+		{"carrier-pigeon", ShapeFile, ErrDemoMode},
+	} {
+		dir := t.TempDir()
+		err := Run(t.Context(), Options{RunDir: dir, DemoMode: tt.mode, DemoShape: tt.shape, Out: &bytes.Buffer{}})
+		if !errors.Is(err, tt.want) {
+			t.Errorf("mode %s shape %s: err = %v, want %v", tt.mode, tt.shape, err, tt.want)
+		}
+		if entries, _ := os.ReadDir(dir); len(entries) != 0 {
+			t.Errorf("a run folder was created: %v", entries)
+		}
+	}
+}
+
 func TestRunRejectsUnknownMode(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()

@@ -3,6 +3,13 @@
 // Capstan gateway, receives the signed completion webhooks on POST /events,
 // and writes one output row per input row plus a summary on stdout.
 //
+// With --shape file the whole file is one execution: the application
+// uploads it into the local object store --objects-dir, invokes
+// "payments.process-file" once, waits for that execution (its webhook, or
+// Get), and copies the output object the release published — the same CSV,
+// except that Attempts counts the sends of the row's request and
+// ExecutionID is the file's execution — to the output path.
+//
 // Flags (each falls back to the environment variable in brackets when not
 // given on the command line):
 //
@@ -18,10 +25,13 @@
 //	--poll-interval   [APP_POLL_INTERVAL]   how often overdue rows are polled with Get, default 3s
 //	--pending-after   [APP_PENDING_AFTER]   how long a row waits for its webhook before polling, default 5s
 //	--log-level       [APP_LOG_LEVEL]       debug, info, warn or error, default info
+//	--shape           [APP_SHAPE]           row (one execution per row, default) or file (one for the file)
+//	--objects-dir     [APP_OBJECTS_DIR]     local object store root (the gateway's object_store.dir), required with --shape file
 //
 // Exit status: 0 when every row has an outcome; 1 on errors, including a
 // timeout with rows still pending (the output is still written, with Status
-// PENDING for them); 2 for invalid flags.
+// PENDING for them; in the file shape nothing is written then, nor when the
+// file's execution failed); 2 for invalid flags.
 package main
 
 import (
@@ -57,14 +67,19 @@ func run(ctx context.Context, args []string, getenv func(string) string, stdout,
 		return 2
 	}
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
-	if _, err := csvapp.Run(ctx, cfg, stdout, logger); err != nil {
+	if sum, err := csvapp.Run(ctx, cfg, stdout, logger); err != nil {
 		var pending *csvapp.PendingError
 		if errors.As(err, &pending) {
 			reason := "interrupted"
 			if errors.Is(err, context.DeadlineExceeded) {
 				reason = "timed out"
 			}
-			fmt.Fprintf(stderr, "csv-payments-app: %s with %d rows still pending (written as PENDING)\n", reason, pending.Pending)
+			if sum.Shape == csvapp.ShapeFile {
+				fmt.Fprintf(stderr, "csv-payments-app: %s before execution %s of %s finished (%d rows; no output written)\n",
+					reason, sum.ExecutionID, csvapp.FileCapability, pending.Pending)
+			} else {
+				fmt.Fprintf(stderr, "csv-payments-app: %s with %d rows still pending (written as PENDING)\n", reason, pending.Pending)
+			}
 		} else {
 			fmt.Fprintln(stderr, "csv-payments-app:", err)
 		}

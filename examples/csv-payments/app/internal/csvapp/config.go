@@ -4,6 +4,15 @@
 // webhooks (with Get as a safety net), and writes one output row per input
 // row. The command in the parent directory is a thin wrapper around
 // ParseConfig and Run.
+//
+// In the file shape (Config.Shape ShapeFile) the whole file is one
+// execution instead: the application checks the file as in the row shape,
+// uploads it into the local object store (Config.ObjectsDir), invokes
+// FileCapability ("payments.process-file", a release declared as steps)
+// once with {"source": <upload key>, "output": <output key>}, waits until
+// the execution is terminal (its completion webhook, with Get as a safety
+// net), then copies the published output object — the same CSV the row
+// shape writes — to the output path, checking it row by row.
 package csvapp
 
 import (
@@ -22,6 +31,19 @@ import (
 
 // Capability is the capability invoked for every row.
 const Capability = "payments.send"
+
+// FileCapability is the capability invoked once per file in the file
+// shape: a release declared as steps whose input is {"source": "<object
+// key>", "output": "<object key>"}.
+const FileCapability = "payments.process-file"
+
+// Shapes (Config.Shape): what one execution is.
+const (
+	// ShapeRow invokes Capability once per row (the default).
+	ShapeRow = "row"
+	// ShapeFile invokes FileCapability once for the whole file.
+	ShapeFile = "file"
+)
 
 // Defaults of Config.
 const (
@@ -67,6 +89,13 @@ type Config struct {
 	PendingAfter time.Duration
 	// RPCTimeout bounds each gRPC call; default 30s.
 	RPCTimeout time.Duration
+	// Shape is ShapeRow (default) or ShapeFile.
+	Shape string
+	// ObjectsDir is the root directory of the local object store that the
+	// gateway's releases with steps read and publish (object_store.dir);
+	// required in the file shape, which uploads the input there and reads
+	// the output from there.
+	ObjectsDir string
 
 	// WebhookListener, when set, is used instead of listening on
 	// WebhookListen (tests pass a loopback listener). Run closes it.
@@ -98,6 +127,9 @@ func (c Config) withDefaults() Config {
 	if c.RPCTimeout <= 0 {
 		c.RPCTimeout = DefaultRPCTimeout
 	}
+	if c.Shape == "" {
+		c.Shape = ShapeRow
+	}
 	return c
 }
 
@@ -110,6 +142,15 @@ func (c Config) validate() error {
 		if strings.TrimSpace(f.v) == "" {
 			return fmt.Errorf("%w: %s is required", ErrConfig, f.name)
 		}
+	}
+	switch c.Shape {
+	case "", ShapeRow:
+	case ShapeFile:
+		if strings.TrimSpace(c.ObjectsDir) == "" {
+			return fmt.Errorf("%w: --objects-dir is required with --shape %s (the object store the gateway reads and publishes)", ErrConfig, ShapeFile)
+		}
+	default:
+		return fmt.Errorf("%w: --shape %q: want %s or %s", ErrConfig, c.Shape, ShapeRow, ShapeFile)
 	}
 	return nil
 }
@@ -145,6 +186,8 @@ var envFallbacks = []struct{ flag, env string }{
 	{"poll-interval", "APP_POLL_INTERVAL"},
 	{"pending-after", "APP_PENDING_AFTER"},
 	{"log-level", "APP_LOG_LEVEL"},
+	{"shape", "APP_SHAPE"},
+	{"objects-dir", "APP_OBJECTS_DIR"},
 }
 
 // ParseConfig parses the command line args (without the program name). A
@@ -172,6 +215,8 @@ func ParseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	fs.DurationVar(&c.PollInterval, "poll-interval", DefaultPollInterval, "how often rows still pending are checked with Get")
 	fs.DurationVar(&c.PendingAfter, "pending-after", DefaultPendingAfter, "how long a row waits for its webhook before it is polled")
 	fs.TextVar(&level, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
+	fs.StringVar(&c.Shape, "shape", ShapeRow, "row: invoke "+Capability+" once per row; file: upload the file to --objects-dir and invoke "+FileCapability+" once for all of it")
+	fs.StringVar(&c.ObjectsDir, "objects-dir", "", "root directory of the local object store (object_store.dir of the gateway); required with --shape file")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, 0, fmt.Errorf("%w: %w", ErrConfig, err)
 	}

@@ -3,7 +3,11 @@ package csvapp
 import (
 	"bytes"
 	"context"
+	"crypto/sha256"
 	"encoding/base64"
+	"encoding/csv"
+	"encoding/hex"
+	"encoding/json"
 	"fmt"
 	"net"
 	"net/http"
@@ -24,6 +28,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
+	"github.com/capstan-dev/capstan/internal/objectstore"
 	eventv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/event/v1"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
@@ -47,13 +52,16 @@ type fakeGateway struct {
 	addr      string
 
 	// Knobs, set before the run.
-	settle          bool                // settle executions at all
-	sendWebhooks    atomic.Bool         // deliver webhooks
-	duplicateEvery  int                 // deliver every Nth webhook twice (0: never)
-	beforeAnswer    int                 // every Nth execution settles and is delivered before the invoke answers
-	unavailableOnce map[string]bool     // row IDs whose first invoke fails UNAVAILABLE (nothing committed)
-	rejectIDs       map[string]bool     // row IDs refused with INVALID_ARGUMENT
-	failClass       map[string][]string // row IDs settled FAILED with [class, reason] instead
+	settle          bool                 // settle executions at all
+	sendWebhooks    atomic.Bool          // deliver webhooks
+	duplicateEvery  int                  // deliver every Nth webhook twice (0: never)
+	beforeAnswer    int                  // every Nth execution settles and is delivered before the invoke answers
+	unavailableOnce map[string]bool      // row IDs whose first invoke fails UNAVAILABLE (nothing committed)
+	rejectIDs       map[string]bool      // row IDs refused with INVALID_ARGUMENT
+	failClass       map[string][]string  // row IDs settled FAILED with [class, reason] instead
+	objectsDir      string               // the object store of FileCapability (empty: not served)
+	fileFailure     *executionv1.Failure // settle FileCapability executions FAILED with this
+	fileSwapRows    bool                 // publish the first two output rows swapped
 
 	mu             sync.Mutex
 	webhookURL     string
@@ -126,6 +134,9 @@ func (g *fakeGateway) InvokeCapability(ctx context.Context, req *executionv1.Inv
 	g.invokes.Add(1)
 	if err := g.auth(ctx); err != nil {
 		return nil, err
+	}
+	if req.GetCapability() == FileCapability && g.objectsDir != "" {
+		return g.invokeFile(req)
 	}
 	if req.GetCapability() != Capability {
 		return nil, status.Errorf(codes.NotFound, "unknown capability %q", req.GetCapability())
@@ -229,6 +240,12 @@ func (g *fakeGateway) settleAndDeliver(id string, p payment.Payment, seq int) {
 		ex.Status = executionv1.ExecutionStatus_EXECUTION_STATUS_FAILED
 		ex.Failure = &executionv1.Failure{Class: o.FailureClass, Message: o.FailureMessage}
 	}
+	g.deliverLocked(ex, seq)
+}
+
+// deliverLocked builds ex's completion event and delivers it; g.mu is held
+// on entry and released.
+func (g *fakeGateway) deliverLocked(ex *executionv1.Execution, seq int) {
 	ev := &eventv1.CompletionEvent{
 		EventId:           uuid.NewString(),
 		Type:              "execution." + map[bool]string{true: "succeeded", false: "failed"}[ex.GetStatus() == executionv1.ExecutionStatus_EXECUTION_STATUS_SUCCEEDED],
@@ -294,4 +311,122 @@ func (g *fakeGateway) post(url, id string, body []byte) {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// invokeFile accepts an execution of FileCapability (input {"source",
+// "output"}) and settles it shortly after, as the release with steps does:
+// it reads the source object, decides every row with payment.Decide,
+// publishes the output CSV and delivers the completion event.
+func (g *fakeGateway) invokeFile(req *executionv1.InvokeCapabilityRequest) (*executionv1.InvokeCapabilityResponse, error) {
+	var in fileInput
+	dec := json.NewDecoder(bytes.NewReader(req.GetInput()))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&in); err != nil || in.Source == "" || in.Output == "" {
+		return nil, status.Error(codes.InvalidArgument, "input: want {source, output}")
+	}
+	g.mu.Lock()
+	if ex, ok := g.byKey[req.GetIdempotencyKey()]; ok && req.GetIdempotencyKey() != "" {
+		resp := &executionv1.InvokeCapabilityResponse{ExecutionId: ex.GetExecutionId(),
+			Acceptance: executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_DUPLICATE, Status: ex.GetStatus()}
+		g.mu.Unlock()
+		return resp, nil
+	}
+	g.seq++
+	seq := g.seq
+	ex := &executionv1.Execution{ExecutionId: uuid.NewString(), Capability: req.GetCapability(), Release: "v1",
+		Status: executionv1.ExecutionStatus_EXECUTION_STATUS_QUEUED, IdempotencyKey: req.GetIdempotencyKey(), CreatedAt: timestamppb.Now()}
+	g.byKey[req.GetIdempotencyKey()] = ex
+	g.byID[ex.GetExecutionId()] = ex
+	if g.settle && !g.stopping {
+		g.deliveries.Add(1)
+		go func() {
+			defer g.deliveries.Done()
+			time.Sleep(10 * time.Millisecond)
+			g.settleFile(ex.GetExecutionId(), in, seq)
+		}()
+	}
+	g.mu.Unlock()
+	g.accepted.Add(1)
+	return &executionv1.InvokeCapabilityResponse{ExecutionId: ex.GetExecutionId(),
+		Acceptance: executionv1.InvokeAcceptance_INVOKE_ACCEPTANCE_ACCEPTED, Status: executionv1.ExecutionStatus_EXECUTION_STATUS_QUEUED}, nil
+}
+
+// settleFile runs a FileCapability execution: source → Decide per row →
+// output object, and settles it SUCCEEDED with the summary as output (or
+// FAILED with fileFailure).
+func (g *fakeGateway) settleFile(id string, in fileInput, seq int) {
+	out, err := g.processFile(id, in)
+	g.mu.Lock()
+	ex := g.byID[id]
+	ex.Attempts = 1
+	ex.SettledAt = timestamppb.Now()
+	ex.UpdatedAt = ex.GetSettledAt()
+	switch {
+	case g.fileFailure != nil:
+		ex.Status = executionv1.ExecutionStatus_EXECUTION_STATUS_FAILED
+		ex.Failure = g.fileFailure
+	case err != nil:
+		ex.Status = executionv1.ExecutionStatus_EXECUTION_STATUS_FAILED
+		ex.Failure = &executionv1.Failure{Class: "source.invalid", Message: err.Error()}
+	default:
+		ex.Status = executionv1.ExecutionStatus_EXECUTION_STATUS_SUCCEEDED
+		ex.Output = out
+		ex.OutputContentType = "application/json"
+	}
+	g.deliverLocked(ex, seq)
+}
+
+// processFile publishes the output of a FileCapability execution and
+// returns its summary (JSON).
+func (g *fakeGateway) processFile(id string, in fileInput) ([]byte, error) {
+	st, err := objectstore.NewLocal(g.objectsDir)
+	if err != nil {
+		return nil, err
+	}
+	defer st.Close()
+	ctx := context.Background()
+	rc, err := st.Open(ctx, in.Source)
+	if err != nil {
+		return nil, err
+	}
+	defer rc.Close()
+	recs, err := csv.NewReader(rc).ReadAll()
+	if err != nil || len(recs) == 0 {
+		return nil, fmt.Errorf("source: %v", err)
+	}
+	var buf bytes.Buffer
+	w := csv.NewWriter(&buf)
+	_ = w.Write(OutputHeader)
+	rows := recs[1:]
+	if g.fileSwapRows && len(rows) > 1 {
+		rows[0], rows[1] = rows[1], rows[0]
+	}
+	sum := fileOutput{Object: in.Output, Items: len(rows), Rows: len(rows), Window: 128, MaxInFlight: min(128, len(rows))}
+	for _, rec := range rows {
+		p := payment.Payment{ID: rec[0], Recipient: rec[1], Amount: rec[2], Currency: rec[3]}
+		o := payment.Decide(p)
+		row := append([]string{}, rec...)
+		if o.Succeeded {
+			row = append(row, "SUCCEEDED", o.Result.ProviderReference, o.Result.Fee, "", "")
+			sum.Succeeded++
+		} else {
+			row = append(row, "FAILED", "", "", o.FailureClass, o.FailureMessage)
+			sum.Failed++
+		}
+		_ = w.Write(append(row, "1", id))
+	}
+	w.Flush()
+	h := sha256.Sum256(buf.Bytes())
+	sum.Bytes, sum.SHA256 = int64(buf.Len()), hex.EncodeToString(h[:])
+	ow, err := st.Create(ctx, in.Output)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := ow.Write(buf.Bytes()); err != nil {
+		return nil, err
+	}
+	if err := ow.Commit(ctx); err != nil {
+		return nil, err
+	}
+	return json.Marshal(sum)
 }

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
+	"github.com/capstan-dev/capstan/internal/objectstore"
 	"github.com/capstan-dev/capstan/pkg/client"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
@@ -67,6 +68,16 @@ type Summary struct {
 	DuplicateEvents  int // verified events whose event id was seen before
 	Elapsed          time.Duration
 	Output           string // output CSV path
+
+	// The file shape's figures (Shape is ShapeFile): the file's execution,
+	// the window of its await step, the most rows it had in flight at once,
+	// and the output object's key. InvokedNew and InvokedDuplicate then
+	// count that one execution, and EventsDelivered its event.
+	Shape       string
+	ExecutionID string
+	Window      int
+	MaxInFlight int
+	Object      string
 }
 
 // RowsPerSecond is RowsIn divided by Elapsed (0 when Elapsed is 0).
@@ -80,7 +91,9 @@ func (s Summary) RowsPerSecond() float64 {
 // WriteTo writes the summary as "key: value" lines, in this order: rows in,
 // invoked new, invoked duplicate, succeeded, failed, other terminal,
 // rejected, pending, events delivered, duplicate events, elapsed (a Go
-// duration rounded to milliseconds), rows per second (one decimal), output.
+// duration rounded to milliseconds), rows per second (one decimal), output;
+// in the file shape then shape, execution, window, max in flight and
+// object.
 func (s Summary) WriteTo(w io.Writer) (int64, error) {
 	var b bytes.Buffer
 	line := func(k string, v any) { fmt.Fprintf(&b, "%s: %v\n", k, v) }
@@ -97,6 +110,13 @@ func (s Summary) WriteTo(w io.Writer) (int64, error) {
 	line("elapsed", s.Elapsed.Round(time.Millisecond))
 	line("rows per second", fmt.Sprintf("%.1f", s.RowsPerSecond()))
 	line("output", s.Output)
+	if s.Shape == ShapeFile {
+		line("shape", s.Shape)
+		line("execution", s.ExecutionID)
+		line("window", s.Window)
+		line("max in flight", s.MaxInFlight)
+		line("object", s.Object)
+	}
 	n, err := w.Write(b.Bytes())
 	if err != nil {
 		return int64(n), fmt.Errorf("csvapp: write summary: %w", err)
@@ -117,7 +137,10 @@ func IdempotencyKey(fileSum [sha256.Size]byte, id string) string {
 // (*payment.FieldError names the line and field), of the webhook listener,
 // or of writing the output; ErrUnauthenticated; *PendingError when the
 // timeout (or ctx) ended the run with rows still pending, after the output
-// and summary were written.
+// and summary were written. In the file shape also the errors of the
+// upload and of the output object, and *ExecutionFailedError; a timeout
+// (or ctx) before the file's execution ended returns a *PendingError
+// counting every row, and nothing is written.
 func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger) (Summary, error) {
 	start := time.Now()
 	serving := false
@@ -143,13 +166,36 @@ func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger)
 		return Summary{}, fmt.Errorf("csvapp: %s: %w", cfg.Input, err)
 	}
 	fileSum := sha256.Sum256(data)
-	rows := make([]*row, len(payments))
-	for i, p := range payments {
-		rows[i] = &row{payment: p, key: IdempotencyKey(fileSum, p.ID), input: payment.EncodeJSON(p)}
-	}
 	verifier, err := client.NewEventVerifier(cfg.WebhookSecret)
 	if err != nil {
 		return Summary{}, fmt.Errorf("%w: --webhook-secret: %w", ErrConfig, err)
+	}
+	capability := Capability
+	var (
+		rows    []*row
+		job     fileJob
+		objects *objectstore.Local
+	)
+	if cfg.Shape == ShapeFile {
+		// One "row" stands for the file's one execution.
+		if job, err = newFileJob(cfg.Input, fileSum); err != nil {
+			return Summary{}, err
+		}
+		if objects, err = openObjects(cfg.ObjectsDir); err != nil {
+			return Summary{}, err
+		}
+		defer objects.Close()
+		if err := upload(ctx, objects, job, payments); err != nil {
+			return Summary{}, err
+		}
+		logger.Info("uploaded the input", slog.String("object", job.sourceKey), slog.Int("rows", len(payments)))
+		capability = FileCapability
+		rows = []*row{{key: job.key, input: job.input}}
+	} else {
+		rows = make([]*row, len(payments))
+		for i, p := range payments {
+			rows[i] = &row{payment: p, key: IdempotencyKey(fileSum, p.ID), input: payment.EncodeJSON(p)}
+		}
 	}
 
 	runCtx, cancelTimeout := context.WithTimeout(ctx, cfg.Timeout)
@@ -202,7 +248,7 @@ func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger)
 	}
 	defer func() { _ = cl.Close() }()
 
-	w := &worker{cfg: cfg, client: cl, tracker: tr, logger: logger, abort: abort}
+	w := &worker{cfg: cfg, capability: capability, client: cl, tracker: tr, logger: logger, abort: abort}
 	workCtx, stopWork := context.WithCancel(runCtx)
 	var work sync.WaitGroup
 	work.Go(func() { w.invokeAll(workCtx) })
@@ -221,6 +267,9 @@ func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger)
 		return tr.counts(), cause // the receiver failed
 	}
 
+	if cfg.Shape == ShapeFile {
+		return finishFileRun(ctx, runCtx, cfg, cl, objects, job, tr, payments, start, stdout)
+	}
 	sum := tr.counts()
 	sum.Output = cfg.OutputPath()
 	if err := writeOutput(sum.Output, tr.snapshot()); err != nil {
@@ -240,13 +289,51 @@ func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger)
 	return sum, nil
 }
 
+// finishFileRun ends a file-shape run once its one execution is terminal
+// (or the run ended): it reads the execution, copies the output object and
+// prints the summary, whose row counts come from the output.
+func finishFileRun(ctx, runCtx context.Context, cfg Config, cl *client.Client, objects *objectstore.Local, job fileJob,
+	tr *tracker, payments []payment.Payment, start time.Time, stdout io.Writer) (Summary, error) {
+	counts := tr.counts()
+	sum := Summary{RowsIn: len(payments), InvokedNew: counts.InvokedNew, InvokedDuplicate: counts.InvokedDuplicate,
+		EventsDelivered: counts.EventsDelivered, DuplicateEvents: counts.DuplicateEvents, Shape: ShapeFile, Object: job.outputKey}
+	execID := tr.snapshot()[0].executionID
+	if counts.Rejected > 0 {
+		o := tr.snapshot()[0].out
+		return sum, fmt.Errorf("csvapp: the gateway refused the invoke of %s: %s: %s", FileCapability, o.FailureClass, o.FailureMessage)
+	}
+	if counts.Pending > 0 {
+		sum.Pending = len(payments)
+		sum.ExecutionID = execID
+		cause := context.Cause(runCtx)
+		if cause == nil {
+			cause = context.Canceled
+		}
+		return sum, &PendingError{Pending: len(payments), Cause: cause}
+	}
+	// The execution is terminal: its output is read with a fresh deadline
+	// even when the run's context is about to end.
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*cfg.RPCTimeout)
+	defer cancel()
+	if err := finishFile(fctx, cfg, cl, objects, job, execID, payments, &sum); err != nil {
+		return sum, err
+	}
+	sum.Output = cfg.OutputPath()
+	sum.Elapsed = time.Since(start)
+	if _, err := sum.WriteTo(stdout); err != nil {
+		return sum, err
+	}
+	return sum, nil
+}
+
 // worker invokes rows and polls pending ones.
 type worker struct {
-	cfg     Config
-	client  *client.Client
-	tracker *tracker
-	logger  *slog.Logger
-	abort   context.CancelCauseFunc
+	cfg        Config
+	capability string // Capability, or FileCapability in the file shape
+	client     *client.Client
+	tracker    *tracker
+	logger     *slog.Logger
+	abort      context.CancelCauseFunc
 }
 
 // transient reports whether an invoke or get failing with code may succeed
@@ -311,7 +398,7 @@ func (w *worker) invokeRow(ctx context.Context, i int) {
 	}
 	r := w.tracker.rows[i]
 	resp, err := retry(ctx, w.cfg.RPCTimeout, func(cctx context.Context) (*executionv1.InvokeCapabilityResponse, error) {
-		return w.client.Invoke(cctx, Capability, r.input, "application/json", r.key)
+		return w.client.Invoke(cctx, w.capability, r.input, "application/json", r.key)
 	})
 	if err != nil {
 		if ctx.Err() != nil {
