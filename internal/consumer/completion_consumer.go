@@ -53,10 +53,12 @@ func ResponseTopics(cfg *config.Config) []string {
 }
 
 // CompletionClientOpts returns the options of the completion consumer's
-// group client (group "<consumer.group>-completions").
+// group client (group "<consumer.group>-completions", with the session
+// timeout of consumer.session_timeout: completions on a dead consumer's
+// partitions wait that long for another one).
 func CompletionClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger) []kgo.Opt {
-	return []kgo.Opt{
-		kgo.ConsumerGroup(cfg.Consumer.Group + "-completions"),
+	return append(sessionOpts(cfg),
+		kgo.ConsumerGroup(cfg.Consumer.Group+"-completions"),
 		kgo.ConsumeTopics(ResponseTopics(cfg)...),
 		kgo.AutoCommitMarks(),
 		kgo.AutoCommitInterval(time.Second),
@@ -67,7 +69,7 @@ func CompletionClientOpts(cfg *config.Config, offsets *offsetTracker, logger *sl
 			}
 			offsets.forget(revoked)
 		}),
-	}
+	)
 }
 
 // NewCompletionConsumer returns a completion consumer over client.

@@ -107,15 +107,10 @@ func New(store *pgstore.Store, client *kgo.Client, cfg *config.Config, offsets *
 // marks committed by the autocommitter, and a synchronous commit of the
 // marks when partitions are revoked.
 func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger) []kgo.Opt {
-	session := cmp.Or(cfg.Consumer.SessionTimeout, 45*time.Second)
-	return []kgo.Opt{
+	return append(sessionOpts(cfg),
 		kgo.ConsumerGroup(cfg.Consumer.Group),
 		kgo.ConsumeTopics(cfg.Kafka.ExecutionTopic),
 		kgo.AutoCommitMarks(),
-		kgo.SessionTimeout(session),
-		// The heartbeat must come well inside the session timeout (kgo's
-		// default of 3 s would exceed a short one).
-		kgo.HeartbeatInterval(min(session/3, 3*time.Second)),
 		kgo.AutoCommitInterval(time.Second),
 		kgo.ConsumeResetOffset(kgo.NewOffset().AtStart()),
 		kgo.OnPartitionsRevoked(func(ctx context.Context, cl *kgo.Client, revoked map[string][]int32) {
@@ -124,7 +119,16 @@ func ClientOpts(cfg *config.Config, offsets *offsetTracker, logger *slog.Logger)
 			}
 			offsets.forget(revoked)
 		}),
-	}
+	)
+}
+
+// sessionOpts are the group-session options of both of the consumer's
+// groups: consumer.session_timeout (default 45 s), so that the partitions of
+// a dead consumer move to a live one that soon, and a heartbeat well inside
+// it (kgo's default of 3 s would exceed a short one).
+func sessionOpts(cfg *config.Config) []kgo.Opt {
+	session := cmp.Or(cfg.Consumer.SessionTimeout, 45*time.Second)
+	return []kgo.Opt{kgo.SessionTimeout(session), kgo.HeartbeatInterval(min(session/3, 3*time.Second))}
 }
 
 // NewOffsetTracker returns the tracker shared by ClientOpts and New.
