@@ -82,6 +82,12 @@ type stackOptions struct {
 	// <dir>/<name>.stdout (proc.stdoutPath) instead of its log, which then
 	// holds standard error only.
 	SeparateStdout bool
+	// Steps adds the release declared as steps stepsCapability over the
+	// kafka transport (stack.stepsConfig, steps_test.go), a callback
+	// secret, the object store <dir>/objects (stack.objects) and the
+	// transport's topics. StepsWindow is its window. Default 32.
+	Steps       bool
+	StepsWindow int
 }
 
 func (o *stackOptions) defaults() {
@@ -103,6 +109,9 @@ func (o *stackOptions) defaults() {
 	if o.SessionTimeout == 0 {
 		o.SessionTimeout = 6 * time.Second
 	}
+	if o.Steps && o.StepsWindow == 0 {
+		o.StepsWindow = 32
+	}
 }
 
 // stack is one Capstan deployment of a test. Create it with newStack; start
@@ -121,6 +130,8 @@ type stack struct {
 	apiKey   string
 	receiver *receiver
 	client   *client.Client
+	brokers  []string
+	objects  string // the object store's root, with Steps
 
 	gateway, gatewayAdmin, dispatcher, dispatcherAdmin, routerAdmin, provider, providerAdmin int
 
@@ -150,12 +161,19 @@ func newStack(t *testing.T, opts stackOptions) *stack {
 	t.Cleanup(db.Close)
 	s.db = db
 
+	topics := map[string]int32{executionTopic: executionPartitions}
+	if opts.Steps {
+		topics[stepsRequestTopic], topics[stepsResponseTopic] = executionPartitions, executionPartitions
+		s.objects = filepath.Join(s.dir, "objects")
+		require.NoError(t, os.MkdirAll(s.objects, 0o755))
+	}
 	kc, err := kafkatest.Start(ctx, kafkatest.Options{
-		Topics: map[string]int32{executionTopic: executionPartitions},
+		Topics: topics,
 		Extra:  []kfake.Opt{kfake.GroupMinSessionTimeout(500 * time.Millisecond)},
 	})
 	require.NoError(t, err)
 	t.Cleanup(kc.Close)
+	s.brokers = kc.Brokers()
 
 	s.receiver = newReceiver()
 	srv := httptest.NewServer(s.receiver) // listens on 127.0.0.1
@@ -194,9 +212,13 @@ func newStack(t *testing.T, opts stackOptions) *stack {
 
 // config renders the daemons' configuration with time compressed: leases
 // of about a second, a 200ms reaper, a 6s Kafka session, retries after
-// 50-200ms.
+// 50-200ms. With stackOptions.Steps, stepsConfig is appended.
 func (s *stack) config(brokers []string) string {
 	o := s.opts
+	steps := ""
+	if o.Steps {
+		steps = s.stepsConfig()
+	}
 	return fmt.Sprintf(`# Written by the e2e failure tests; time is compressed.
 database:
   url: %q
@@ -208,6 +230,9 @@ gateway:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
   dispatcher_addr: 127.0.0.1:%d
+  # No webhook transport here: no completion endpoint (its default, :7239,
+  # would collide between stacks running in parallel).
+  http_listen: ""
 dispatcher:
   listen: 127.0.0.1:%d
   admin_listen: 127.0.0.1:%d
@@ -237,9 +262,9 @@ capabilities:
     attempt_timeout: %s
     lease_duration: %s
     async_budget: 10m
-`, s.dbURL, strings.Join(brokers, ", "), executionTopic, executionPartitions,
+%s`, s.dbURL, strings.Join(brokers, ", "), executionTopic, executionPartitions,
 		s.gateway, s.gatewayAdmin, s.dispatcher, s.dispatcher, s.dispatcherAdmin,
-		o.SessionTimeout, s.routerAdmin, capability, s.provider, o.AttemptTimeout, o.LeaseDuration)
+		o.SessionTimeout, s.routerAdmin, capability, s.provider, o.AttemptTimeout, o.LeaseDuration, steps)
 }
 
 // startAll starts the provider, gateway, dispatcher and router, and one
