@@ -32,7 +32,7 @@ func TestMain(m *testing.M) {
 }
 
 // sharedData is the folder of real sample inputs beside the project.
-func sharedData(t *testing.T, name string) string {
+func sharedData(t testing.TB, name string) string {
 	t.Helper()
 	_, file, _, _ := runtime.Caller(0)
 	p := filepath.Join(filepath.Dir(file), "..", "..", "..", "shared", "data", "csv-payments", name)
@@ -50,7 +50,7 @@ var (
 
 // buildBinaries builds the daemons, capstanctl and the example once per
 // test binary.
-func buildBinaries(t *testing.T) string {
+func buildBinaries(t testing.TB) string {
 	t.Helper()
 	buildOnce.Do(func() {
 		dir, err := os.MkdirTemp("", "capstan-e2e-bin-")
@@ -90,7 +90,7 @@ func (e *buildError) Error() string { return "build " + e.pkg + ": " + e.err.Err
 
 // runDemo runs `capstanctl dev --demo-input input` against the database at
 // dbURL and returns the app's summary as key → value.
-func runDemo(t *testing.T, bin, dbURL, input string) map[string]string {
+func runDemo(t testing.TB, bin, dbURL, input string) map[string]string {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
@@ -112,7 +112,7 @@ func runDemo(t *testing.T, bin, dbURL, input string) map[string]string {
 	return summary
 }
 
-func readCSV(t *testing.T, path string) [][]string {
+func readCSV(t testing.TB, path string) [][]string {
 	t.Helper()
 	f, err := os.Open(path)
 	require.NoError(t, err)
@@ -122,7 +122,7 @@ func readCSV(t *testing.T, path string) [][]string {
 	return rows
 }
 
-func queryInt(t *testing.T, conn *pgx.Conn, sql string) int {
+func queryInt(t testing.TB, conn *pgx.Conn, sql string) int {
 	t.Helper()
 	var n int
 	require.NoError(t, conn.QueryRow(context.Background(), sql).Scan(&n))

@@ -120,7 +120,7 @@ func (o *stackOptions) defaults() {
 // removed when the test ends; on failure the tail of every process log is
 // printed.
 type stack struct {
-	t        *testing.T
+	t        testing.TB
 	opts     stackOptions
 	bin      string
 	dir      string // config and process logs
@@ -143,7 +143,7 @@ type stack struct {
 // database (fresh unless opts.DatabaseURL), starts kfake with the execution
 // topic, writes the configuration, registers an application whose webhook
 // is an in-test receiver, and dials the gateway. It starts no process.
-func newStack(t *testing.T, opts stackOptions) *stack {
+func newStack(t testing.TB, opts stackOptions) *stack {
 	t.Helper()
 	opts.defaults()
 	s := &stack{t: t, opts: opts, bin: buildBinaries(t), dir: t.TempDir()}
@@ -441,25 +441,25 @@ func (p *proc) state() string {
 	return fmt.Sprintf("pid %d, %v", p.pid(), p.cmd.ProcessState)
 }
 
-func (p *proc) signal(t *testing.T, sig syscall.Signal) {
+func (p *proc) signal(t testing.TB, sig syscall.Signal) {
 	t.Helper()
 	require.NoError(t, p.cmd.Process.Signal(sig), "send %v to %s", sig, p.name)
 }
 
 // kill sends SIGKILL and waits until the process is gone.
-func (p *proc) kill(t *testing.T) {
+func (p *proc) kill(t testing.TB) {
 	t.Helper()
 	p.signal(t, syscall.SIGKILL)
 	<-p.done
 }
 
 // pause stops the process (SIGSTOP); resume continues it (SIGCONT).
-func (p *proc) pause(t *testing.T)  { t.Helper(); p.signal(t, syscall.SIGSTOP) }
-func (p *proc) resume(t *testing.T) { t.Helper(); p.signal(t, syscall.SIGCONT) }
+func (p *proc) pause(t testing.TB)  { t.Helper(); p.signal(t, syscall.SIGSTOP) }
+func (p *proc) resume(t testing.TB) { t.Helper(); p.signal(t, syscall.SIGCONT) }
 
 // waitReady polls the process's health URL until it answers 200; it fails
 // the test if the process exits first or readyTimeout passes.
-func (p *proc) waitReady(t *testing.T) {
+func (p *proc) waitReady(t testing.TB) {
 	t.Helper()
 	deadline := time.Now().Add(readyTimeout)
 	for {
@@ -514,7 +514,7 @@ func tail(path string, n int) string {
 // freePorts returns n distinct free loopback ports outside the ephemeral
 // range (see devstack.FreePorts), so that no outbound connection of another
 // test can take one before the daemon binds it.
-func freePorts(t *testing.T, n int) []int {
+func freePorts(t testing.TB, n int) []int {
 	t.Helper()
 	out, err := devstack.FreePorts(n)
 	require.NoError(t, err)
@@ -525,7 +525,7 @@ func freePorts(t *testing.T, n int) []int {
 
 // samplePayments returns the first n payments of the csv-payments
 // example's 1k sample (in the repository, so never skipped).
-func samplePayments(t *testing.T, n int) []payment.Payment {
+func samplePayments(t testing.TB, n int) []payment.Payment {
 	t.Helper()
 	_, file, _, _ := runtime.Caller(0)
 	f, err := os.Open(filepath.Join(filepath.Dir(file), "..", "..", "examples", "csv-payments", "testdata", "payments_1k.csv"))
@@ -680,7 +680,7 @@ func (r *receiver) ServeHTTP(w http.ResponseWriter, req *http.Request) {
 
 // --- database checks ----------------------------------------------------
 
-func (s *stack) queryInt(t *testing.T, sql string, args ...any) int {
+func (s *stack) queryInt(t testing.TB, sql string, args ...any) int {
 	t.Helper()
 	var n int
 	require.NoError(t, s.db.QueryRow(t.Context(), sql, args...).Scan(&n), sql)
@@ -730,7 +730,7 @@ ORDER BY 1`)
 // waitAllSettled waits until want executions exist, all terminal, every
 // completion event delivered and seen by the receiver, and returns how long
 // it took.
-func (s *stack) waitAllSettled(t *testing.T, want int, timeout time.Duration) time.Duration {
+func (s *stack) waitAllSettled(t testing.TB, want int, timeout time.Duration) time.Duration {
 	t.Helper()
 	start := time.Now()
 	ctx := t.Context()
@@ -782,7 +782,7 @@ func pollUntil(ctx context.Context, timeout, interval time.Duration, cond func()
 //     the last ended RETRYABLE_FAILURE or LEASE_EXPIRED, the last one
 //     SUCCEEDED or FAILED as the execution;
 //   - the provider saw every execution.
-func (s *stack) requireExactlyOnce(t *testing.T, invoked map[string]payment.Payment) {
+func (s *stack) requireExactlyOnce(t testing.TB, invoked map[string]payment.Payment) {
 	t.Helper()
 	ctx := t.Context()
 	n := len(invoked)
@@ -898,7 +898,7 @@ func (s *stack) procsNamed(name string) []*proc {
 
 // deliveries returns how many times the receiver got the completion event
 // of execution id.
-func (s *stack) deliveries(t *testing.T, id string) int {
+func (s *stack) deliveries(t testing.TB, id string) int {
 	t.Helper()
 	var ev string
 	require.NoError(t, s.db.QueryRow(t.Context(), `SELECT id::text FROM completion_events WHERE execution_id = $1`, id).Scan(&ev))

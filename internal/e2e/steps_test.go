@@ -112,7 +112,7 @@ type providerStats struct {
 	Completions  int64 `json:"completions"`
 }
 
-func (s *stack) providerStats(t *testing.T) providerStats {
+func (s *stack) providerStats(t testing.TB) providerStats {
 	t.Helper()
 	resp, err := readyClient.Get(fmt.Sprintf("http://127.0.0.1:%d/stats", s.providerAdmin))
 	require.NoError(t, err)
@@ -124,7 +124,7 @@ func (s *stack) providerStats(t *testing.T) providerStats {
 
 // stepsResent returns the interaction ids whose request the provider
 // received again (its debug line "resent request ignored").
-func stepsResent(t *testing.T, provider *proc) []string {
+func stepsResent(t testing.TB, provider *proc) []string {
 	t.Helper()
 	var ids []string
 	for _, line := range provider.logLines("resent request ignored") {
@@ -139,7 +139,7 @@ func stepsResent(t *testing.T, provider *proc) []string {
 
 // tempObjects returns the names of the hidden temporary files of write
 // sessions on stepsOutput, with their sizes.
-func (s *stack) tempObjects(t *testing.T) map[string]int64 {
+func (s *stack) tempObjects(t testing.TB) map[string]int64 {
 	t.Helper()
 	out := map[string]int64{}
 	entries, err := os.ReadDir(filepath.Join(s.objects, filepath.Dir(stepsOutput)))
@@ -205,7 +205,7 @@ SELECT count(*), count(*) FILTER (WHERE status = 'DISPATCHING'), count(*) FILTER
 // left DISPATCHING would be sent again, with the same interaction id, only
 // after its claim expires — steps.Runner.ClaimFor, 30 s — which the test
 // does not wait for.)
-func (s *stack) killWhen(t *testing.T, p *proc, id string, at func(itemCounts) bool) {
+func (s *stack) killWhen(t testing.TB, p *proc, id string, at func(itemCounts) bool) {
 	t.Helper()
 	ctx := t.Context()
 	ok := pollUntil(ctx, 60*time.Second, 5*time.Millisecond, func() bool {
@@ -232,7 +232,7 @@ type atKill struct {
 
 // recordKill records, right after the kill, what the dead session left
 // behind, and checks that nothing was published under the output's key.
-func (s *stack) recordKill(t *testing.T, id string) atKill {
+func (s *stack) recordKill(t testing.TB, id string) atKill {
 	t.Helper()
 	ctx := t.Context()
 	k := atKill{items: s.itemCounts(ctx, id), terminal: map[string]bool{}, temps: s.tempObjects(t)}
@@ -446,7 +446,7 @@ func TestStepsConsumerKilled(t *testing.T) {
 }
 
 // waitSettled waits until execution id is terminal and returns its status.
-func (s *stack) waitSettled(t *testing.T, id string, timeout time.Duration) string {
+func (s *stack) waitSettled(t testing.TB, id string, timeout time.Duration) string {
 	t.Helper()
 	ctx := t.Context()
 	var status string
@@ -460,7 +460,7 @@ func (s *stack) waitSettled(t *testing.T, id string, timeout time.Duration) stri
 // requireStepsRows checks the published output against the provider's
 // rules, row by row, in input order (checkPaymentRows in
 // internal/consumer/steps_test.go): every row sent once, by execution id.
-func requireStepsRows(t *testing.T, in []payment.Payment, out [][]string, id string) {
+func requireStepsRows(t testing.TB, in []payment.Payment, out [][]string, id string) {
 	t.Helper()
 	require.Len(t, out, len(in)+1, "one output row per input row, plus the header")
 	header := make([]string, len(stepsColumns))
@@ -483,7 +483,7 @@ func requireStepsRows(t *testing.T, in []payment.Payment, out [][]string, id str
 }
 
 // copyInto copies the file from to the path to, creating its directory.
-func copyInto(t *testing.T, from, to string) {
+func copyInto(t testing.TB, from, to string) {
 	t.Helper()
 	b, err := os.ReadFile(from)
 	require.NoError(t, err)
