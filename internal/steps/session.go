@@ -252,7 +252,8 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 	err := pgstore.Retry(ctx, s.log, func() error {
 		var err error
 		states, err = s.r.store.ItemsOpen(ctx, pgstore.ItemsOpenParams{Unit: s.unit, ExecutionID: s.e.ID,
-			ApplicationID: s.e.ApplicationID, Capability: s.e.Capability, Transport: s.a.Transport, Items: reqs,
+			ApplicationID: s.e.ApplicationID, Attempt: s.e.Attempt, LeaseToken: s.e.LeaseToken,
+			Capability: s.e.Capability, Transport: s.a.Transport, Items: reqs,
 			Timeout: s.cp.AwaitDeadline(), ClaimToken: s.claim, ClaimFor: s.r.ClaimFor})
 		return err
 	})

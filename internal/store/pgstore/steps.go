@@ -123,9 +123,13 @@ type ItemState struct {
 type ItemsOpenParams struct {
 	Unit                       StepUnit
 	ExecutionID, ApplicationID uuid.UUID
-	Capability                 string
-	Transport                  string
-	Items                      []ItemRequest
+	// Attempt and LeaseToken fence the session: the execution must still be
+	// WAITING_EXTERNAL on this attempt and lease.
+	Attempt    int
+	LeaseToken uuid.UUID
+	Capability string
+	Transport  string
+	Items      []ItemRequest
 	// Timeout is each new item's deadline from now.
 	Timeout time.Duration
 	// ClaimToken and ClaimFor claim items to send: while the claim lasts
@@ -141,7 +145,11 @@ type ItemsOpenParams struct {
 // or were left unsent (WAITING or DISPATCHING with no live claim), and
 // returns the state of every requested item in the order given. Items
 // already sent are not claimed: they are awaited, never sent again, and
-// terminal items come back with their stored outcome.
+// terminal items come back with their stored outcome. Fence: the execution
+// is WAITING_EXTERNAL with the session's attempt and lease token (read FOR
+// SHARE, so a settlement waits for the items to be written and then
+// cancels them); otherwise execution.ErrLeaseLost and nothing is written —
+// a session that has not noticed a cancellation yet opens nothing more.
 func (s *Store) ItemsOpen(ctx context.Context, p ItemsOpenParams) ([]ItemState, error) {
 	n := len(p.Items)
 	seqs := make([]int32, n)
@@ -159,6 +167,16 @@ func (s *Store) ItemsOpen(ctx context.Context, p ItemsOpenParams) ([]ItemState, 
 	}
 	var out []ItemState
 	err := s.withTx(ctx, func(tx pgx.Tx) error {
+		var live bool
+		if err := tx.QueryRow(ctx, `
+SELECT EXISTS (SELECT 1 FROM executions
+                WHERE id = $1 AND attempt = $2 AND lease_token = $3 AND status = 'WAITING_EXTERNAL' FOR SHARE)`,
+			p.ExecutionID, p.Attempt, p.LeaseToken).Scan(&live); err != nil {
+			return fmt.Errorf("check the session's lease: %w", err)
+		}
+		if !live {
+			return fmt.Errorf("open items of %s attempt %d: %w", p.ExecutionID, p.Attempt, execution.ErrLeaseLost)
+		}
 		pushed := p.Transport != TransportInteractionAPI
 		// New items: created claimed (pushed transports) so the session
 		// sends them; the idempotency key and correlation id are unique too.
@@ -297,6 +315,11 @@ type StepSettleParams struct {
 func (s *Store) StepSettle(ctx context.Context, p StepSettleParams) (execution.Execution, error) {
 	var e execution.Execution
 	err := s.withTx(ctx, func(tx pgx.Tx) error {
+		// Lock order as everywhere: the execution row first, then the unit
+		// (settlement and the sweep reach the unit through the execution).
+		if _, err := lockExecutionTx(ctx, tx, p.ExecutionID); err != nil {
+			return err
+		}
 		status := UnitCompleted
 		if p.Status != execution.StatusSucceeded {
 			status = UnitFailed

@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/jackc/pgx/v5"
 	"github.com/stretchr/testify/require"
 
 	"github.com/capstan-dev/capstan/internal/execution"
@@ -29,7 +30,7 @@ func itemsOpen(t *testing.T, b bundle, e execution.Execution, u pgstore.StepUnit
 		reqs[k] = pgstore.ItemRequest{Seq: s, Request: []byte(fmt.Sprintf(`{"row":%d}`, s)), ContentType: "application/json"}
 	}
 	st, err := b.store.ItemsOpen(context.Background(), pgstore.ItemsOpenParams{Unit: u, ExecutionID: e.ID,
-		ApplicationID: e.ApplicationID, Capability: e.Capability, Transport: pgstore.TransportKafka, Items: reqs,
+		ApplicationID: e.ApplicationID, Attempt: e.Attempt, LeaseToken: e.LeaseToken, Capability: e.Capability, Transport: pgstore.TransportKafka, Items: reqs,
 		Timeout: timeout, ClaimToken: claim, ClaimFor: claimFor})
 	require.NoError(t, err)
 	require.Len(t, st, len(seqs))
@@ -152,6 +153,11 @@ func TestStepUnitSpansAttempts(t *testing.T) {
 	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM await_units WHERE status = 'COMPLETED' AND item_count = 5`))
 	require.Equal(t, 2, count(t, b.url, `SELECT count(*) FROM interactions WHERE status = 'CANCELLED'`),
 		"the settlement cancels what is still open")
+	_, err = b.store.ItemsOpen(ctx, pgstore.ItemsOpenParams{Unit: u2, ExecutionID: e.ID, ApplicationID: e.ApplicationID,
+		Attempt: 2, LeaseToken: e2.LeaseToken, Capability: e.Capability, Transport: pgstore.TransportKafka,
+		ClaimToken: uuid.New(), ClaimFor: time.Minute, Items: []pgstore.ItemRequest{{Seq: 9, Request: []byte(`{}`)}}})
+	require.ErrorIs(t, err, execution.ErrLeaseLost, "a session that missed the settlement opens nothing more")
+	require.Equal(t, 5, count(t, b.url, `SELECT count(*) FROM interactions`))
 	_, err = completeItem(b, first[3].InteractionID, success(`{"late":true}`))
 	require.ErrorIs(t, err, execution.ErrCompletionRefused, "after the settlement an item completion is late")
 	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM completion_events`))
@@ -200,4 +206,65 @@ func TestItemTimeoutWakesTheSession(t *testing.T) {
 	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM await_units WHERE status = 'WAITING'`))
 	cancel()
 	<-done
+}
+
+// waitLockWaiters waits until n sessions of the test's database wait on a
+// lock.
+func waitLockWaiters(t *testing.T, b bundle, n int) {
+	t.Helper()
+	require.Eventually(t, func() bool {
+		return count(t, b.url, `SELECT count(*) FROM pg_stat_activity
+ WHERE datname = current_database() AND wait_event_type = 'Lock'`) >= n
+	}, 10*time.Second, 5*time.Millisecond)
+}
+
+// TestStepSettleRacesCancellation: a session settling while the execution
+// is cancelled — the cancellation waiting on an item's row lock, the
+// session's settlement on the cancellation — ends with the cancellation
+// alone and no deadlock: StepSettle takes the execution's row lock before
+// the unit's, as every other path does.
+func TestStepSettleRacesCancellation(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	ctx := context.Background()
+	e := startAttempt(t, b)
+	u := stepOpen(t, b, e)
+	st := itemsOpen(t, b, e, u, uuid.New(), time.Minute, time.Hour, 0, 1)
+	got, err := b.store.ExecutionGet(ctx, uuid.Nil, e.ID)
+	require.NoError(t, err)
+
+	// An admission in progress holds item 1's row lock.
+	conn, err := pgx.Connect(ctx, b.url)
+	require.NoError(t, err)
+	defer conn.Close(ctx)
+	tx, err := conn.Begin(ctx)
+	require.NoError(t, err)
+	_, err = tx.Exec(ctx, `SELECT 1 FROM interactions WHERE id = $1 FOR UPDATE`, st[1].InteractionID)
+	require.NoError(t, err)
+
+	cancelled := make(chan error, 1)
+	go func() {
+		_, err := b.store.ExecutionSettle(ctx, pgstore.SettleParams{ExecutionID: e.ID,
+			Fence:  pgstore.Fence{Version: got.Version, Attempt: got.Attempt},
+			Status: execution.StatusCancelled, Failure: &execution.Failure{Class: "execution.cancelled"}})
+		cancelled <- err
+	}()
+	waitLockWaiters(t, b, 1) // the cancellation holds the execution, waits for the item
+	settled := make(chan error, 1)
+	go func() {
+		f := execution.Failure{Class: "source.invalid", Message: "bad row"}
+		_, err := b.store.StepSettle(ctx, pgstore.StepSettleParams{UnitID: u.ID, ItemCount: 2, SettleParams: pgstore.SettleParams{
+			ExecutionID: e.ID, Fence: pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}, Status: execution.StatusFailed,
+			Failure: &f, AttemptOutcome: "FAILED", AttemptFailure: &f}})
+		settled <- err
+	}()
+	waitLockWaiters(t, b, 2) // the session's settlement waits for the execution
+	require.NoError(t, tx.Commit(ctx))
+	require.NoError(t, <-cancelled)
+	require.ErrorIs(t, <-settled, execution.ErrConflict, "the cancellation won; the session's settlement wrote nothing")
+	got, err = b.store.ExecutionGet(ctx, uuid.Nil, e.ID)
+	require.NoError(t, err)
+	require.Equal(t, execution.StatusCancelled, got.Status)
+	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM await_units WHERE status = 'CANCELLED'`))
+	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM completion_events`))
 }
