@@ -589,7 +589,7 @@ func (c *Config) validateSteps(i int) error {
 	cp := c.Capabilities[i]
 	key := fmt.Sprintf("capabilities[%d].steps", i)
 	st := cp.Steps
-	if cp.Mode != "" && cp.Mode != "ASYNC" {
+	if cp.Mode != "" && !strings.EqualFold(cp.Mode, "ASYNC") {
 		return bad(fmt.Sprintf("capabilities[%d].mode", i), "%q: a release with steps is ASYNC", cp.Mode)
 	}
 	if st.Source == nil {

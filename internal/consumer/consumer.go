@@ -63,6 +63,9 @@ type Consumer struct {
 	signer *token.Signer
 	// steps runs the releases declared as steps; nil when none is.
 	steps *steps.Runner
+	// shutdown is closed when Run's context ends: live sessions stop at
+	// once (they are resumable) instead of using the drain time.
+	shutdown <-chan struct{}
 
 	mp metric.MeterProvider
 	m  metrics
@@ -144,6 +147,7 @@ const DrainTimeout = 10 * time.Second
 func (c *Consumer) Run(ctx context.Context) error {
 	sem := make(chan struct{}, c.cfg.Consumer.MaxInFlight)
 	var wg sync.WaitGroup
+	c.shutdown = ctx.Done()
 	work, cancelWork := context.WithCancel(context.WithoutCancel(ctx))
 	defer cancelWork()
 	go func() {
@@ -367,6 +371,17 @@ func (c *Consumer) runSteps(ctx context.Context, log *slog.Logger, e execution.E
 		return
 	}
 	c.stats.parked.Add(1)
+	// A file may take hours: at shutdown its session hands the execution
+	// to the next attempt at once rather than running out the drain time.
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	go func() {
+		select {
+		case <-c.shutdown:
+			cancel()
+		case <-ctx.Done():
+		}
+	}()
 	res, sum := c.steps.Run(ctx, e, capb)
 	switch res {
 	case steps.Succeeded:
@@ -376,11 +391,11 @@ func (c *Consumer) runSteps(ctx context.Context, log *slog.Logger, e execution.E
 		log.Info("steps published", "object", sum.Object, "items", sum.Items, "rows", sum.Rows,
 			"sent", sum.Sent, "replayed", sum.Replayed, "max_in_flight", sum.MaxInFlight)
 	case steps.Failed:
-		c.attempt(ctx, outcomeFailed, "steps")
+		c.attempt(ctx, outcomeFailed, sum.FailureClass)
 		c.stats.failed.Add(1)
 		c.settledAs(ctx, execution.StatusFailed)
 	case steps.Retried:
-		c.attempt(ctx, outcomeRetryable, "steps")
+		c.attempt(ctx, outcomeRetryable, sum.FailureClass)
 		c.stats.retried.Add(1)
 	case steps.Lost:
 		c.attempt(ctx, outcomeLeaseLost, "")

@@ -84,7 +84,7 @@ func (s *InteractionSender) SendOnce(ctx context.Context) (int, error) {
 	}
 	for _, d := range batch {
 		err := s.send(ctx, d)
-		retryIn := min(time.Duration(d.Dispatches+1)*500*time.Millisecond, maxSendBackoff)
+		retryIn := min(time.Duration(d.Dispatches+1)*500*time.Millisecond, maxSendBackoff) // d.Dispatches: tries before this one
 		if err != nil {
 			s.logger.Warn("interaction send failed; will retry", "interaction_id", d.ID, "transport", d.Transport,
 				"retry_in", retryIn, "error", err)

@@ -609,3 +609,33 @@ func TestStepsMap(t *testing.T) {
 	require.NoError(t, err)
 	require.Equal(t, "id,mapped,status,class\n1,true,SUCCEEDED,\n2,,FAILED,map.refused\n3,true,SUCCEEDED,\n", string(got))
 }
+
+// TestStepsShutdownHandsOver: a consumer that shuts down while a file's
+// session waits hands the execution to its next attempt at once —
+// RETRY_SCHEDULED, due now, class consumer.shutdown — without using up an
+// attempt, and its sent items stay open for the next attempt to await.
+func TestStepsShutdownHandsOver(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.csv"), []byte("ID\n1\n2\n3\n4\n5\n"), 0o644))
+	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 2, nil))
+	// Nobody answers: the session waits on a full window.
+	id := p.invokeSteps(t, "in/x.csv", "out/x.csv")
+	require.Eventually(t, func() bool {
+		return p.count(t, `SELECT count(*) FROM interactions WHERE status = 'DISPATCHED'`) == 2
+	}, 30*time.Second, 10*time.Millisecond)
+	p.stopDaemons()
+
+	e, err := p.store.ExecutionGet(context.Background(), uuid.Nil, id)
+	require.NoError(t, err)
+	require.Equal(t, execution.StatusRetryScheduled, e.Status)
+	require.Equal(t, steps.ClassShutdown, e.Failure.Class)
+	require.Equal(t, 1, e.Attempt)
+	require.Equal(t, p.cfg.Capabilities[0].MaxAttempts+1, e.MaxAttempts, "the handed-over attempt does not count")
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM dispatch_records WHERE execution_id = $1 AND attempt = 2 AND due_at <= now()`, id))
+	require.Equal(t, 2, p.count(t, `SELECT count(*) FROM interactions WHERE status = 'DISPATCHED'`), "sent items stay open")
+	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM await_units WHERE status = 'WAITING'`))
+	_, err = os.Stat(filepath.Join(dir, "out", "x.csv"))
+	require.True(t, os.IsNotExist(err))
+}

@@ -52,6 +52,10 @@ import (
 	"github.com/capstan-dev/capstan/pkg/adapter"
 )
 
+// demoApplication is the name the dev stack registers the demo application
+// under; in the file shape it is also the prefix of its objects.
+const demoApplication = "csv-payments-demo"
+
 // Options configure a dev stack run.
 type Options struct {
 	// BinDir holds the gateway, dispatcher, consumer, router and example
@@ -266,7 +270,7 @@ func Run(ctx context.Context, o Options) (err error) {
 		return err
 	}
 	_, err = st.ApplicationUpsert(ctx, pgstore.ApplicationUpsertParams{
-		Name: "csv-payments-demo", APIKey: apiKey,
+		Name: demoApplication, APIKey: apiKey,
 		WebhookURL: fmt.Sprintf("http://127.0.0.1:%d/events", s.app), WebhookSecret: secret,
 	})
 	st.Close()
@@ -326,10 +330,10 @@ func Run(ctx context.Context, o Options) (err error) {
 	}
 	appArgs := []string{"--out-dir", runDir}
 	if s.shape == ShapeFile {
-		appArgs = append(appArgs, "--shape", ShapeFile, "--objects-dir", s.objectsDir)
+		appArgs = append(appArgs, "--shape", ShapeFile, "--objects-dir", s.objectsDir, "--objects-prefix", demoApplication)
 	}
 	if o.DemoInput == "" {
-		fmt.Fprintf(o.Out, "application csv-payments-demo: %s\n", strings.Join(appEnv[:2], " "))
+		fmt.Fprintf(o.Out, "application %s: %s\n", demoApplication, strings.Join(appEnv[:2], " "))
 		fmt.Fprintf(o.Out, "operator API: CAPSTAN_ADMIN_ADDR=127.0.0.1:%d CAPSTAN_ADMIN_TOKEN=%s (capstanctl consumers/events)\n", s.gateway, s.adminToken)
 		if s.shape == ShapeFile {
 			fmt.Fprintf(o.Out, "object store: %s (invoke %s with {\"source\": \"<key>\", \"output\": \"<key>\"})\n", s.objectsDir, FileCapability)

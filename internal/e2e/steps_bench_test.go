@@ -41,7 +41,7 @@ func BenchmarkStepsConsumerMemory(b *testing.B) {
 			b.ResetTimer()
 			start := time.Now()
 			for i := 0; i < b.N; i++ {
-				in, _ := json.Marshal(steps.Input{Source: stepsSource, Output: fmt.Sprintf("out/%d.csv", i)})
+				in, _ := json.Marshal(steps.Input{Source: stepsSource, Output: fmt.Sprintf("e2e-failures/out/%d.csv", i)})
 				ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 				resp, err := s.client.Invoke(ctx, stepsCapability, in, "application/json", "bench-"+strconv.Itoa(i))
 				cancel()

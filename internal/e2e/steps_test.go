@@ -37,8 +37,9 @@ const (
 	stepsResponseTopic = "items.responses"
 	// stepsSource and stepsOutput are the object keys of the execution's
 	// input {"source": …, "output": …}.
-	stepsSource = "in/payments.csv"
-	stepsOutput = "out/payments.csv"
+	// Both lie under the application's prefix (its name, e2e-failures/).
+	stepsSource = "e2e-failures/in/payments.csv"
+	stepsOutput = "e2e-failures/out/payments.csv"
 	// stepsTempPrefix starts the name of the Local object store's hidden
 	// temporary file of a write session on stepsOutput
 	// (internal/objectstore/local.go).

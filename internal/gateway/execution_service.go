@@ -108,7 +108,11 @@ func (s *ExecutionService) InvokeCapability(ctx context.Context, req *executionv
 		// A release declared as steps takes {"source": …, "output": …}:
 		// refuse anything else here, naming the field, rather than fail
 		// the execution later.
-		if _, err := steps.ParseInput(req.GetInput()); err != nil {
+		in, err := steps.ParseInput(req.GetInput())
+		if err != nil {
+			return nil, err
+		}
+		if err := steps.CheckOwner(in, app.Name); err != nil {
 			return nil, err
 		}
 	}

@@ -143,6 +143,8 @@ func TestInvokeRefusals(t *testing.T) {
 		{"steps: not JSON", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte("x")}, codes.InvalidArgument, "input"},
 		{"steps: no source", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"output":"o.csv"}`)}, codes.InvalidArgument, "input.source"},
 		{"steps: output escapes", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"in.csv","output":"../o.csv"}`)}, codes.InvalidArgument, "input.output"},
+		{"steps: another application's source", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"b/in.csv","output":"a/o.csv"}`)}, codes.InvalidArgument, "input.source"},
+		{"steps: output outside the prefix", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"a/in.csv","output":"o.csv"}`)}, codes.InvalidArgument, "input.output"},
 		{"steps: unknown field", as("key-a"), &executionv1.InvokeCapabilityRequest{Capability: "payments.process-file", Input: []byte(`{"source":"in.csv","output":"o.csv","x":1}`)}, codes.InvalidArgument, "input"},
 	}
 	for _, tc := range tests {

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"strings"
 
 	"github.com/capstan-dev/capstan/internal/execution"
 	"github.com/capstan-dev/capstan/internal/objectstore"
@@ -12,7 +13,8 @@ import (
 
 // Input is the input of an execution of a release with steps, the JSON
 // object {"source": "<key>", "output": "<key>"}: the object to read and the
-// key to publish the output under (objectstore.ValidateKey rules).
+// key to publish the output under (objectstore.ValidateKey rules), both
+// under the calling application's prefix "<application name>/" (CheckOwner).
 type Input struct {
 	Source string `json:"source"`
 	Output string `json:"output"`
@@ -44,6 +46,21 @@ func ParseInput(b []byte) (Input, error) {
 		return in, &execution.InvalidArgumentError{Field: "input.output", Reason: "must differ from input.source"}
 	}
 	return in, nil
+}
+
+// CheckOwner checks that both keys of in lie under the application's own
+// prefix, "<application name>/": an application reads and publishes only
+// its own objects (SYSTEM §9). Errors are *execution.InvalidArgumentError
+// naming input.source or input.output.
+func CheckOwner(in Input, application string) error {
+	prefix := application + "/"
+	for _, f := range []struct{ name, key string }{{"input.source", in.Source}, {"input.output", in.Output}} {
+		if !strings.HasPrefix(f.key, prefix) {
+			return &execution.InvalidArgumentError{Field: f.name,
+				Reason: fmt.Sprintf("%q is not under %q, the calling application's prefix", f.key, prefix)}
+		}
+	}
+	return nil
 }
 
 // IsInvalidInput reports whether err is an input error from ParseInput.

@@ -42,7 +42,14 @@ const (
 	// ClassMapUnavailable: the map adapter kept failing transiently
 	// (retryable).
 	ClassMapUnavailable = "map.unavailable"
+	// ClassShutdown: the consumer running the session shut down; the next
+	// attempt replays, and this one does not count towards max_attempts.
+	ClassShutdown = "consumer.shutdown"
 )
+
+// releaseTimeout bounds the write that hands an interrupted session's
+// execution to its next attempt.
+const releaseTimeout = 5 * time.Second
 
 // Sender sends claimed item interactions over a pushed transport
 // (consumer.InteractionSender). It returns one error per interaction.
@@ -125,6 +132,9 @@ type Summary struct {
 	// fed from completions stored before it started.
 	Sent     int `json:"sent"`
 	Replayed int `json:"replayed"`
+	// FailureClass is the class of the failure that ended the session
+	// (Failed, Retried); not part of the output.
+	FailureClass string `json:"-"`
 }
 
 // stepFailure is a failure that ends the session: settled FAILED, or the
@@ -150,7 +160,8 @@ func (r *Runner) Run(ctx context.Context, e execution.Execution, cp config.Capab
 	fence := pgstore.Fence{Attempt: e.Attempt, LeaseToken: e.LeaseToken}
 	in, err := ParseInput(e.Input)
 	if err != nil {
-		return r.settleFailed(ctx, log, e, fence, uuid.Nil, 0, execution.Failure{Class: ClassInputInvalid, Message: err.Error()}), Summary{}
+		return r.settleFailed(ctx, log, e, fence, uuid.Nil, 0, execution.Failure{Class: ClassInputInvalid, Message: err.Error()}),
+			Summary{FailureClass: ClassInputInvalid}
 	}
 	a := cp.Steps.Await
 	var unit pgstore.StepUnit
@@ -191,7 +202,18 @@ func (r *Runner) Run(ctx context.Context, e execution.Execution, cp config.Capab
 	default:
 	}
 	if ctx.Err() != nil {
-		log.Info("session interrupted; left to its lease, the next attempt replays")
+		// The consumer is shutting down: hand the file to the next attempt
+		// now, without using up an attempt; if even that cannot be written,
+		// the lease expires and the reaper does it (as lease.expired).
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), releaseTimeout)
+		defer cancel()
+		_, err := r.store.AttemptRetry(rctx, pgstore.RetryParams{ExecutionID: e.ID, Fence: fence, Policy: policy, Free: true,
+			Failure: execution.Failure{Class: ClassShutdown, Message: "the consumer running the session shut down", Retryable: true}})
+		if err != nil {
+			log.Info("session interrupted; left to its lease, the next attempt replays", "error", err)
+		} else {
+			log.Info("session interrupted by shutdown; handed to the next attempt, which replays")
+		}
 		return Interrupted, sum
 	}
 	var sf *stepFailure
@@ -201,9 +223,11 @@ func (r *Runner) Run(ctx context.Context, e execution.Execution, cp config.Capab
 		return r.settle(ctx, log, e, unit.ID, sum.Items, pgstore.SettleParams{ExecutionID: e.ID, Fence: fence,
 			Status: execution.StatusSucceeded, Output: out, OutputType: "application/json", AttemptOutcome: "SUCCEEDED"}), sum
 	case errors.As(runErr, &sf) && sf.f.Retryable:
+		sum.FailureClass = sf.f.Class
 		log.Warn("step failed; retrying", "class", sf.f.Class, "error", sf.f.Message)
 		return r.retry(ctx, log, e, fence, sf.f, policy), sum
 	case errors.As(runErr, &sf):
+		sum.FailureClass = sf.f.Class
 		return r.settleFailed(ctx, log, e, fence, unit.ID, sum.Items, sf.f), sum
 	case errors.Is(runErr, execution.ErrLeaseLost), errors.Is(runErr, execution.ErrConflict):
 		return Lost, sum

@@ -36,13 +36,19 @@ type session struct {
 	src    itemsource.Source
 	header []string
 	closer io.Closer
+	reader *readErrs
 	claim  uuid.UUID
 	sum    Summary
 
-	wake    <-chan struct{}
-	mapped  chan mapDone
-	mapping int // map calls in flight
+	wake      <-chan struct{}
+	mapped    chan mapDone
+	mapping   int           // map calls started and not yet applied
+	mapSlots  chan struct{} // bounds the map calls running at once
+	mapCancel context.CancelFunc
 }
+
+// maxMapCalls bounds the map calls of one session running at once.
+const maxMapCalls = 16
 
 // slot is an item open in the window.
 type slot struct {
@@ -106,7 +112,11 @@ func (s *session) run(ctx context.Context) (Summary, error) {
 		return s.sum, ctx.Err()
 	}
 	// Object Publish: the output becomes visible under its key only now,
-	// and only then may the execution succeed.
+	// and only then may the execution succeed. A session that lost its
+	// lease (another attempt may be publishing) does not commit.
+	if _, err := s.r.store.LeaseRenew(ctx, s.e.ID, s.e.Attempt, s.e.LeaseToken, s.cp.Policy().LeaseDuration); err != nil {
+		return s.sum, err
+	}
 	if err := w.Commit(ctx); err != nil {
 		return s.sum, publishErr(err)
 	}
@@ -137,12 +147,13 @@ func (s *session) openSource(ctx context.Context) error {
 		return fail(ClassSourceUnavailable, true, "open %q: %v", s.in.Source, err)
 	}
 	s.closer = rc
+	s.reader = &readErrs{r: rc}
 	opts := itemsource.Options{}
 	if s.a.Cardinality != config.OneToOne {
 		opts.MaxItems = s.a.MaxItems
 	}
 	if s.cp.Steps.Source.Format == "csv" {
-		c := itemsource.NewCSV(bufio.NewReaderSize(rc, 64<<10), opts)
+		c := itemsource.NewCSV(bufio.NewReaderSize(s.reader, 64<<10), opts)
 		s.src = &peekSource{Source: c}
 		// The header is known after the first read; peek it.
 		if err := s.src.(*peekSource).peek(); err != nil && err != io.EOF {
@@ -151,7 +162,7 @@ func (s *session) openSource(ctx context.Context) error {
 		}
 		s.header = c.Header()
 	} else {
-		s.src = &peekSource{Source: itemsource.NewJSONLines(bufio.NewReaderSize(rc, 64<<10), opts)}
+		s.src = &peekSource{Source: itemsource.NewJSONLines(bufio.NewReaderSize(s.reader, 64<<10), opts)}
 	}
 	return nil
 }
@@ -164,7 +175,26 @@ func (s *session) sourceErr(err error) error {
 	if errors.Is(err, context.Canceled) {
 		return err
 	}
+	if s.reader != nil && s.reader.err != nil {
+		// The object could not be read (not a malformed item): retry.
+		return fail(ClassSourceUnavailable, true, "read %q: %v", s.in.Source, s.reader.err)
+	}
 	return fail(ClassSourceInvalid, false, "input.source %q: %v", s.in.Source, err)
+}
+
+// readErrs remembers the first error of the source object's reader other
+// than io.EOF, to tell a failed read from a malformed item.
+type readErrs struct {
+	r   io.Reader
+	err error
+}
+
+func (r *readErrs) Read(p []byte) (int, error) {
+	n, err := r.r.Read(p)
+	if err != nil && err != io.EOF && r.err == nil {
+		r.err = err
+	}
+	return n, err
 }
 
 // request is an item's interaction request (a JSON object).
@@ -184,6 +214,11 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 	defer func() { s.r.m.inFlight.Add(context.WithoutCancel(ctx), -int64(next-head)) }()
 	eof := false
 	s.mapped = make(chan mapDone, window)
+	s.mapSlots = make(chan struct{}, min(window, maxMapCalls))
+	// Map calls run under mctx, cancelled when the session ends so that
+	// draining them does not wait out their timeouts.
+	mctx, mapCancel := context.WithCancel(ctx)
+	s.mapCancel = mapCancel
 	defer s.drainMaps()
 	for {
 		if !eof && next-head < window {
@@ -211,7 +246,7 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 					if st.Outcome != nil {
 						s.sum.Replayed++
 						s.r.count(ctx, "replayed", 1)
-						s.terminal(ctx, sl)
+						s.terminal(mctx, sl)
 					}
 				}
 				next += len(batch)
@@ -236,7 +271,7 @@ func (s *session) streamItems(ctx context.Context, rd *Renderer) error {
 		if !eof && next-head < window {
 			continue // room in the window: read on
 		}
-		if err := s.waitAndRefresh(ctx, slots, head, next); err != nil {
+		if err := s.waitAndRefresh(ctx, mctx, slots, head, next); err != nil {
 			return err
 		}
 	}
@@ -268,7 +303,7 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 		send = append(send, pgstore.InteractionDispatch{Interaction: pgstore.Interaction{
 			ID: st.InteractionID, CorrelationID: st.CorrelationID, ExecutionID: s.e.ID, ApplicationID: s.e.ApplicationID,
 			Capability: s.e.Capability, Status: st.Status, Transport: s.a.Transport, Request: reqs[k].Request,
-			ContentType: reqs[k].ContentType, Deadline: st.Deadline}, Attempt: s.unit.Attempt, Dispatches: st.Sends})
+			ContentType: reqs[k].ContentType, Deadline: st.Deadline}, Attempt: s.unit.Attempt, Dispatches: st.Sends - 1})
 	}
 	if len(send) == 0 {
 		return states, nil
@@ -276,7 +311,12 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 	if s.r.sender == nil {
 		return nil, fail(ClassPublishFailed, true, "no sender for the %s transport", s.a.Transport)
 	}
-	errs := s.r.sender.SendBatch(ctx, s.a, send)
+	// A send must end well inside the claim: past it, the background
+	// sender may take the same items. One that runs out is a failed send,
+	// retried with the same interaction.
+	sctx, cancel := context.WithTimeout(ctx, s.r.ClaimFor/2)
+	errs := s.r.sender.SendBatch(sctx, s.a, send)
+	cancel()
 	var ok, failed []uuid.UUID
 	for k, err := range errs {
 		if err != nil {
@@ -307,7 +347,7 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 
 // terminal handles an item that became terminal: ready at once, or after
 // its map call.
-func (s *session) terminal(ctx context.Context, sl *slot) {
+func (s *session) terminal(mctx context.Context, sl *slot) {
 	m := s.cp.Steps.Map
 	if m == nil || !sl.state.Outcome.Succeeded {
 		sl.mapped, sl.ready = true, true
@@ -316,7 +356,14 @@ func (s *session) terminal(ctx context.Context, sl *slot) {
 	s.mapping++
 	seq, in := sl.state.Seq, sl.state.Outcome.Output
 	go func() {
-		out, err := s.mapItem(ctx, m, seq, in)
+		select {
+		case s.mapSlots <- struct{}{}:
+		case <-mctx.Done():
+			s.mapped <- mapDone{seq: seq, err: mctx.Err()}
+			return
+		}
+		out, err := s.mapItem(mctx, m, seq, in)
+		<-s.mapSlots
 		s.mapped <- mapDone{seq: seq, outcome: out, err: err}
 	}()
 }
@@ -348,8 +395,11 @@ func (s *session) mapItem(ctx context.Context, m *config.MapStep, seq int, in []
 	}
 }
 
-// drainMaps waits for the map calls still running.
+// drainMaps cancels the map calls still running and waits for them.
 func (s *session) drainMaps() {
+	if s.mapCancel != nil {
+		s.mapCancel()
+	}
 	for ; s.mapping > 0; s.mapping-- {
 		<-s.mapped
 	}
@@ -374,7 +424,7 @@ func (s *session) applyMap(slots []*slot, d mapDone) error {
 // waitAndRefresh waits for a notification, a finished map or the poll
 // interval, then reads the outcomes of the open items that are not
 // terminal yet.
-func (s *session) waitAndRefresh(ctx context.Context, slots []*slot, head, next int) error {
+func (s *session) waitAndRefresh(ctx, mctx context.Context, slots []*slot, head, next int) error {
 	t := time.NewTimer(s.r.Poll)
 	defer t.Stop()
 	select {
@@ -406,7 +456,7 @@ func (s *session) waitAndRefresh(ctx context.Context, slots []*slot, head, next 
 	for _, st := range states {
 		sl := slots[st.Seq%len(slots)]
 		sl.state = st
-		s.terminal(ctx, sl)
+		s.terminal(mctx, sl)
 	}
 	return nil
 }
@@ -417,9 +467,6 @@ func (s *session) consume(rd *Renderer, sl *slot) error {
 	row := &Row{Index: sl.state.Seq + 1, Fields: sl.item.Fields, JSON: sl.item.JSON,
 		Status: rowStatus(sl.state.Status, o), InteractionID: sl.state.InteractionID.String(),
 		ExecutionID: s.e.ID.String(), Sends: sl.state.Sends}
-	if row.Sends == 0 && s.a.Transport != pgstore.TransportInteractionAPI {
-		row.Sends = 1 // sent, but the completion came before the send was recorded
-	}
 	if o.Succeeded {
 		row.Result = o.Output
 		s.sum.Succeeded++
@@ -484,7 +531,7 @@ func (s *session) collected(ctx context.Context, rd *Renderer) error {
 	s.sum.MaxInFlight = 1
 	for st.Outcome == nil {
 		slots := []*slot{{state: st}}
-		if err := s.waitAndRefresh(ctx, slots, 0, 1); err != nil {
+		if err := s.waitAndRefresh(ctx, ctx, slots, 0, 1); err != nil {
 			return err
 		}
 		st = slots[0].state

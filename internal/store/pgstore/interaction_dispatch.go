@@ -33,7 +33,7 @@ func (s *Store) InteractionClaimDispatch(ctx context.Context, limit int, claimFo
 	rows, err := s.pool.Query(ctx, `
 UPDATE interactions i
    SET status = 'DISPATCHING', claim_token = $1, claimed_until = now() + make_interval(secs => $2),
-       version = i.version + 1, updated_at = now()
+       dispatch_attempts = i.dispatch_attempts + 1, version = i.version + 1, updated_at = now()
   FROM await_units u
  WHERE u.id = i.await_unit_id AND i.id IN (
         SELECT id FROM interactions
@@ -44,7 +44,7 @@ UPDATE interactions i
          LIMIT $3
            FOR UPDATE SKIP LOCKED)
 RETURNING i.id, i.correlation_id, i.execution_id, i.application_id, i.capability, i.status, i.transport, i.request,
-          i.content_type, i.external_reference, i.deadline, i.created_at, u.attempt, i.claim_token, i.dispatch_attempts,
+          i.content_type, i.external_reference, i.deadline, i.created_at, u.attempt, i.claim_token, i.dispatch_attempts - 1,
           coalesce((SELECT x.trace_context FROM executions x WHERE x.id = i.execution_id), '')`,
 		token, claimFor.Seconds(), limit)
 	if err != nil {
@@ -73,7 +73,7 @@ func (s *Store) InteractionDispatched(ctx context.Context, id, claimToken uuid.U
 	}
 	_, err := s.pool.Exec(ctx, `
 UPDATE interactions
-   SET status = $3, dispatch_attempts = dispatch_attempts + 1, claim_token = NULL, claimed_until = NULL,
+   SET status = $3, claim_token = NULL, claimed_until = NULL,
        next_dispatch_at = CASE WHEN $3 = 'DISPATCHED' THEN NULL ELSE now() + make_interval(secs => $4) END,
        version = version + 1, updated_at = now()
  WHERE id = $1 AND claim_token = $2 AND status = 'DISPATCHING'`, id, claimToken, status, retryIn.Seconds())

@@ -177,6 +177,11 @@ type RetryParams struct {
 	// lease is still expired, so a lease renewed after the reaper read it
 	// is left alone.
 	RequireExpired bool
+	// Free hands the execution to its next attempt at once without using
+	// up an attempt: no delay, and the attempt ceiling moves up by one with
+	// the attempt number (a consumer shutting down releases a file's live
+	// session this way; the next attempt replays it).
+	Free bool
 	// skipHeld is set when the retry itself comes from applying a held
 	// completion, which must not be looked for again.
 	skipHeld bool
@@ -260,6 +265,9 @@ SELECT status, attempt, max_attempts, lease_token, version, budget_deadline, now
 		}
 	}
 	delay := p.Policy.RetryDelay(attempt, p.Rand)
+	if p.Free {
+		delay, maxAtt = 0, maxAtt+1
+	}
 	res.Decision = execution.DecideRetry(attempt, maxAtt, now, delay, budget)
 	switch res.Decision {
 	case execution.RetryExhausted, execution.RetryBudgetExceeded:
@@ -278,9 +286,10 @@ SELECT status, attempt, max_attempts, lease_token, version, budget_deadline, now
 	res.Execution, err = scanExecution(tx.QueryRow(ctx, `
 UPDATE executions
    SET status = 'RETRY_SCHEDULED', failure_class = $3, failure_message = $4, lease_token = NULL,
-       lease_owner = NULL, lease_expires_at = NULL, version = version + 1, updated_at = now()
+       lease_owner = NULL, lease_expires_at = NULL, version = version + 1, updated_at = now(),
+       max_attempts = max_attempts + CASE WHEN $5 THEN 1 ELSE 0 END
  WHERE id = $1 AND version = $2 AND status IN ('RUNNING', 'WAITING_EXTERNAL')
-RETURNING `+executionColumns, p.ExecutionID, version, failure.Class, failure.Message))
+RETURNING `+executionColumns, p.ExecutionID, version, failure.Class, failure.Message, p.Free))
 	if errors.Is(err, pgx.ErrNoRows) {
 		// Unreachable under FOR UPDATE; kept as the guard's contract.
 		return res, fmt.Errorf("retry %s: %w", p.ExecutionID, execution.ErrConflict)

@@ -108,7 +108,9 @@ type ItemState struct {
 	CorrelationID string
 	Status        string
 	Deadline      time.Time
-	// Sends is how many sends were recorded before this one.
+	// Sends is how many times the item was claimed for sending (each claim
+	// is one send tried), this call's claim included. A completion may race
+	// its send's recording; counting at the claim keeps Sends exact.
 	Sends int
 	// Send: this call claimed the item for sending (a new item, or one
 	// left unsent or half-sent by a dead session); the caller sends it and
@@ -182,10 +184,10 @@ SELECT EXISTS (SELECT 1 FROM executions
 		// sends them; the idempotency key and correlation id are unique too.
 		if _, err := tx.Exec(ctx, `
 INSERT INTO interactions (id, await_unit_id, execution_id, application_id, capability, seq, idempotency_key,
-                          correlation_id, transport, status, request, content_type, deadline, next_dispatch_at,
-                          claim_token, claimed_until)
+                          correlation_id, transport, status, dispatch_attempts, request, content_type, deadline,
+                          next_dispatch_at, claim_token, claimed_until)
 SELECT x.id, $1, $2, $3, $4, x.seq, $14 || '/' || x.seq, x.id::text, $5,
-       CASE WHEN $6 THEN 'DISPATCHING' ELSE 'WAITING' END, x.req, x.ct,
+       CASE WHEN $6 THEN 'DISPATCHING' ELSE 'WAITING' END, CASE WHEN $6 THEN 1 ELSE 0 END, x.req, x.ct,
        now() + make_interval(secs => $7),
        CASE WHEN $6 THEN now() END, CASE WHEN $6 THEN $8::uuid END,
        CASE WHEN $6 THEN now() + make_interval(secs => $9) END
@@ -201,7 +203,7 @@ ON CONFLICT (id) DO NOTHING`,
 			if _, err := tx.Exec(ctx, `
 UPDATE interactions
    SET status = 'DISPATCHING', claim_token = $3, claimed_until = now() + make_interval(secs => $4),
-       version = version + 1, updated_at = now()
+       dispatch_attempts = dispatch_attempts + 1, version = version + 1, updated_at = now()
  WHERE await_unit_id = $1 AND seq = ANY($2) AND status IN ('WAITING', 'DISPATCHING') AND deadline > now()
    AND (claimed_until IS NULL OR claimed_until < now())`,
 				p.Unit.ID, seqs, p.ClaimToken, p.ClaimFor.Seconds()); err != nil {
@@ -276,7 +278,7 @@ func (s *Store) ItemsTerminal(ctx context.Context, unitID uuid.UUID, seqs []int3
 func (s *Store) ItemsSent(ctx context.Context, ids []uuid.UUID, claimToken uuid.UUID) error {
 	_, err := s.pool.Exec(ctx, `
 UPDATE interactions
-   SET status = 'DISPATCHED', dispatch_attempts = dispatch_attempts + 1, claim_token = NULL, claimed_until = NULL,
+   SET status = 'DISPATCHED', claim_token = NULL, claimed_until = NULL,
        next_dispatch_at = NULL, version = version + 1, updated_at = now()
  WHERE id = ANY($1) AND claim_token = $2 AND status = 'DISPATCHING'`, ids, claimToken)
 	return translate(wrapIf(err, "record item sends"))
@@ -288,7 +290,7 @@ UPDATE interactions
 func (s *Store) ItemsSendFailed(ctx context.Context, ids []uuid.UUID, claimToken uuid.UUID, retryIn time.Duration) error {
 	_, err := s.pool.Exec(ctx, `
 UPDATE interactions
-   SET dispatch_attempts = dispatch_attempts + 1, claim_token = NULL, claimed_until = NULL,
+   SET claim_token = NULL, claimed_until = NULL,
        next_dispatch_at = now() + make_interval(secs => $3), version = version + 1, updated_at = now()
  WHERE id = ANY($1) AND claim_token = $2 AND status = 'DISPATCHING'`, ids, claimToken, retryIn.Seconds())
 	return translate(wrapIf(err, "record failed item sends"))

@@ -27,6 +27,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+
+	"github.com/capstan-dev/capstan/internal/objectstore"
 )
 
 // Capability is the capability invoked for every row.
@@ -96,6 +98,10 @@ type Config struct {
 	// required in the file shape, which uploads the input there and reads
 	// the output from there.
 	ObjectsDir string
+	// ObjectsPrefix is the application's prefix in the object store, its
+	// name as registered with Capstan: the gateway accepts only keys under
+	// "<prefix>/". Required in the file shape.
+	ObjectsPrefix string
 
 	// WebhookListener, when set, is used instead of listening on
 	// WebhookListen (tests pass a loopback listener). Run closes it.
@@ -149,6 +155,9 @@ func (c Config) validate() error {
 		if strings.TrimSpace(c.ObjectsDir) == "" {
 			return fmt.Errorf("%w: --objects-dir is required with --shape %s (the object store the gateway reads and publishes)", ErrConfig, ShapeFile)
 		}
+		if err := objectstore.ValidateKey(c.ObjectsPrefix); err != nil {
+			return fmt.Errorf("%w: --objects-prefix is required with --shape %s (the application's name as registered; its objects live under <name>/): %v", ErrConfig, ShapeFile, err)
+		}
 	default:
 		return fmt.Errorf("%w: --shape %q: want %s or %s", ErrConfig, c.Shape, ShapeRow, ShapeFile)
 	}
@@ -188,6 +197,7 @@ var envFallbacks = []struct{ flag, env string }{
 	{"log-level", "APP_LOG_LEVEL"},
 	{"shape", "APP_SHAPE"},
 	{"objects-dir", "APP_OBJECTS_DIR"},
+	{"objects-prefix", "APP_OBJECTS_PREFIX"},
 }
 
 // ParseConfig parses the command line args (without the program name). A
@@ -217,6 +227,7 @@ func ParseConfig(args []string, getenv func(string) string, usage io.Writer) (Co
 	fs.TextVar(&level, "log-level", slog.LevelInfo, "log level: debug, info, warn or error")
 	fs.StringVar(&c.Shape, "shape", ShapeRow, "row: invoke "+Capability+" once per row; file: upload the file to --objects-dir and invoke "+FileCapability+" once for all of it")
 	fs.StringVar(&c.ObjectsDir, "objects-dir", "", "root directory of the local object store (object_store.dir of the gateway); required with --shape file")
+	fs.StringVar(&c.ObjectsPrefix, "objects-prefix", "", "the application's name as registered with Capstan: its objects live under <name>/ in the object store; required with --shape file")
 	if err := fs.Parse(args); err != nil {
 		return Config{}, 0, fmt.Errorf("%w: %w", ErrConfig, err)
 	}

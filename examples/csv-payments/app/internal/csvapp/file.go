@@ -83,12 +83,13 @@ func FileObjectName(input string, fileSum [sha256.Size]byte) string {
 }
 
 // newFileJob names the objects and the idempotency key of input: the
-// source is uploads/<name>.csv, the output outputs/<name>.out.csv and the
-// idempotency key "csv-payments-file:<name>", where <name> is
-// FileObjectName, so running the same file again finds the same execution.
-func newFileJob(input string, fileSum [sha256.Size]byte) (fileJob, error) {
+// source is <prefix>/uploads/<name>.csv, the output
+// <prefix>/outputs/<name>.out.csv and the idempotency key
+// "csv-payments-file:<name>", where <name> is FileObjectName, so running
+// the same file again finds the same execution.
+func newFileJob(prefix, input string, fileSum [sha256.Size]byte) (fileJob, error) {
 	name := FileObjectName(input, fileSum)
-	j := fileJob{name: name, sourceKey: "uploads/" + name + ".csv", outputKey: "outputs/" + name + ".out.csv",
+	j := fileJob{name: name, sourceKey: prefix + "/uploads/" + name + ".csv", outputKey: prefix + "/outputs/" + name + ".out.csv",
 		key: "csv-payments-file:" + name}
 	for _, k := range []string{j.sourceKey, j.outputKey} {
 		if err := objectstore.ValidateKey(k); err != nil {

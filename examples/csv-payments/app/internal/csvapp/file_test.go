@@ -22,6 +22,7 @@ func newFileConfig(t *testing.T, g *fakeGateway, input string) Config {
 	cfg := newConfig(t, g, input)
 	cfg.Shape = ShapeFile
 	cfg.ObjectsDir = t.TempDir()
+	cfg.ObjectsPrefix = "app"
 	g.objectsDir = cfg.ObjectsDir
 	return cfg
 }
@@ -65,7 +66,7 @@ func TestFileShapeEndToEnd(t *testing.T) {
 	if !strings.HasPrefix(name, "payments_1k-") || len(name) != len("payments_1k-")+16 {
 		t.Errorf("object name %q", name)
 	}
-	up, err := os.ReadFile(filepath.Join(cfg.ObjectsDir, "uploads", name+".csv"))
+	up, err := os.ReadFile(filepath.Join(cfg.ObjectsDir, "app", "uploads", name+".csv"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -83,7 +84,7 @@ func TestFileShapeEndToEnd(t *testing.T) {
 	for k, v := range map[string]string{
 		"rows in": "1000", "invoked new": "1", "invoked duplicate": "0", "succeeded": "802", "failed": "198",
 		"events delivered": "1", "output": filepath.Join(cfg.OutDir, "payments_1k.out.csv"), "shape": "file",
-		"execution": sum.ExecutionID, "window": "128", "max in flight": "128", "object": "outputs/" + name + ".out.csv",
+		"execution": sum.ExecutionID, "window": "128", "max in flight": "128", "object": "app/outputs/" + name + ".out.csv",
 	} {
 		if m[k] != v {
 			t.Errorf("summary %q = %q, want %q", k, m[k], v)
@@ -108,7 +109,7 @@ func TestFileShapeRerun(t *testing.T) {
 	firstOut, _ := os.ReadFile(cfg.OutputPath())
 	g.sendWebhooks.Store(false)
 	cfg2 := newConfig(t, g, cfg.Input)
-	cfg2.Shape, cfg2.ObjectsDir = ShapeFile, cfg.ObjectsDir
+	cfg2.Shape, cfg2.ObjectsDir, cfg2.ObjectsPrefix = ShapeFile, cfg.ObjectsDir, cfg.ObjectsPrefix
 	sum, err := Run(t.Context(), cfg2, &bytes.Buffer{}, nil)
 	if err != nil {
 		t.Fatal(err)
@@ -143,7 +144,7 @@ func TestFileShapeReencodesUpload(t *testing.T) {
 	if !strings.HasPrefix(name, "spaced_file-") {
 		t.Errorf("object name %q", name)
 	}
-	up, err := os.ReadFile(filepath.Join(cfg.ObjectsDir, "uploads", name+".csv"))
+	up, err := os.ReadFile(filepath.Join(cfg.ObjectsDir, "app", "uploads", name+".csv"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -226,12 +227,12 @@ func TestFileObjectName(t *testing.T) {
 			t.Errorf("FileObjectName(%q) = %q, want %q", in, got, want)
 		}
 	}
-	j, err := newFileJob("x/in.csv", sum)
+	j, err := newFileJob("app", "x/in.csv", sum)
 	if err != nil {
 		t.Fatal(err)
 	}
-	if j.sourceKey != "uploads/in-"+h+".csv" || j.outputKey != "outputs/in-"+h+".out.csv" || j.key != "csv-payments-file:in-"+h ||
-		string(j.input) != `{"source":"uploads/in-`+h+`.csv","output":"outputs/in-`+h+`.out.csv"}` {
+	if j.sourceKey != "app/uploads/in-"+h+".csv" || j.outputKey != "app/outputs/in-"+h+".out.csv" || j.key != "csv-payments-file:in-"+h ||
+		string(j.input) != `{"source":"app/uploads/in-`+h+`.csv","output":"app/outputs/in-`+h+`.out.csv"}` {
 		t.Errorf("job = %+v, input %s", j, j.input)
 	}
 }
@@ -253,8 +254,13 @@ func TestParseConfigShape(t *testing.T) {
 		t.Errorf("unknown shape: %v", err)
 	}
 	env["APP_SHAPE"], env["APP_OBJECTS_DIR"] = "file", "/tmp/objects"
+	_, _, err = ParseConfig([]string{"--input", "x.csv"}, getenv, &bytes.Buffer{})
+	if !errors.Is(err, ErrConfig) || !strings.Contains(err.Error(), "--objects-prefix") {
+		t.Errorf("file shape without --objects-prefix: %v", err)
+	}
+	env["APP_OBJECTS_PREFIX"] = "csv-payments-demo"
 	cfg, _, err = ParseConfig([]string{"--input", "x.csv"}, getenv, &bytes.Buffer{})
-	if err != nil || cfg.Shape != ShapeFile || cfg.ObjectsDir != "/tmp/objects" {
+	if err != nil || cfg.Shape != ShapeFile || cfg.ObjectsDir != "/tmp/objects" || cfg.ObjectsPrefix != "csv-payments-demo" {
 		t.Errorf("env: %+v, %v", cfg, err)
 	}
 	cfg, _, err = ParseConfig([]string{"--input", "x.csv", "--shape", "row"}, getenv, &bytes.Buffer{})

@@ -178,7 +178,7 @@ func Run(ctx context.Context, cfg Config, stdout io.Writer, logger *slog.Logger)
 	)
 	if cfg.Shape == ShapeFile {
 		// One "row" stands for the file's one execution.
-		if job, err = newFileJob(cfg.Input, fileSum); err != nil {
+		if job, err = newFileJob(cfg.ObjectsPrefix, cfg.Input, fileSum); err != nil {
 			return Summary{}, err
 		}
 		if objects, err = openObjects(cfg.ObjectsDir); err != nil {
