@@ -8,8 +8,12 @@ import (
 	"log/slog"
 	"net"
 	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -152,8 +156,14 @@ func startPipelineMetered(t testing.TB, answer func(*adapterv1.ExecuteRequest) (
 	}
 	var listen func(context.Context) error
 	if cfg.ObjectStore.Dir != "" {
-		objects, err := objectstore.NewLocal(cfg.ObjectStore.Dir)
+		local, err := objectstore.NewLocal(cfg.ObjectStore.Dir)
 		require.NoError(t, err)
+		var objects objectstore.Store = local
+		if b, err := os.ReadFile(filepath.Join(cfg.ObjectStore.Dir, failCommitsFile)); err == nil {
+			n, err := strconv.Atoi(strings.TrimSpace(string(b)))
+			require.NoError(t, err)
+			objects = &failingCommits{Store: local, left: int64(n)}
+		}
 		hub := steps.NewHub()
 		var s steps.Sender
 		if sender != nil {
@@ -540,4 +550,37 @@ func TestPipelineCallbackLeaseExpires(t *testing.T) {
 	_, err := completeByToken(p.store, oldTok, execution.Outcome{Succeeded: true, Output: []byte(`{}`)})
 	require.Error(t, err, "the superseded attempt's completion is refused")
 	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM completion_events`))
+}
+
+// failCommitsFile, when present in the object store's directory at the
+// pipeline's start, holds N: the first N commits of write sessions fail
+// with an I/O error (a storage outage at the worst moment).
+const failCommitsFile = "FAIL_COMMITS"
+
+// failingCommits is an object store whose first commits fail; the failed
+// session is aborted, as a real provider's failed finalize leaves nothing.
+type failingCommits struct {
+	objectstore.Store
+	left int64
+}
+
+func (f *failingCommits) Create(ctx context.Context, key string) (objectstore.Writer, error) {
+	w, err := f.Store.Create(ctx, key)
+	if err != nil {
+		return nil, err
+	}
+	return &failingWriter{Writer: w, f: f}, nil
+}
+
+type failingWriter struct {
+	objectstore.Writer
+	f *failingCommits
+}
+
+func (w *failingWriter) Commit(ctx context.Context) error {
+	if atomic.AddInt64(&w.f.left, -1) >= 0 {
+		_ = w.Writer.Abort(ctx)
+		return fmt.Errorf("commit: %w", syscall.EIO)
+	}
+	return w.Writer.Commit(ctx)
 }

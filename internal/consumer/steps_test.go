@@ -413,30 +413,36 @@ func TestStepsLimitsAndBadInput(t *testing.T) {
 	require.Zero(t, p.count(t, `SELECT count(*) FROM interactions`), "nothing was sent")
 }
 
-// TestStepsPublishFailure: when the output cannot be committed, the
-// execution never succeeds, nothing partial is visible under the final
-// key, and the retries replay the stored completions instead of sending
-// the items again.
+// TestStepsPublishFailure: when the output cannot be committed (storage
+// failing at the moment of the commit), the execution does not succeed and
+// nothing is visible under the final key; the retry replays the stored
+// completions instead of sending the items again, and publishes.
 func TestStepsPublishFailure(t *testing.T) {
 	t.Parallel()
 	dir := t.TempDir()
 	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
 	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.csv"), []byte("ID,Amount\n1,10\n2,20\n3,30\n"), 0o644))
-	// The final key is taken by a non-empty directory: the write session
-	// streams every row, then the atomic rename fails.
-	require.NoError(t, os.MkdirAll(filepath.Join(dir, "out", "x.csv", "keep"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, failCommitsFile), []byte("2"), 0o644))
 	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 2, nil))
 	partner := startKafkaPartner(t, p.brokers, func(req adapter.InteractionRequest) adapter.InteractionCompletion {
 		return adapter.InteractionCompletion{ResumeToken: req.ResumeToken, Result: &adapter.CompletionResult{Output: []byte(`{"ok":true}`)}}
 	})
+	final := filepath.Join(dir, "out", "x.csv")
+	stop := watchFile(final)
 	id := p.invokeSteps(t, "in/x.csv", "out/x.csv")
 	e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
-	require.Equal(t, execution.StatusFailed, e.Status)
-	require.Equal(t, steps.ClassPublishFailed, e.Failure.Class)
-	require.Equal(t, 3, e.Attempt, "publish failures are retried until the attempt limit")
-	st, err := os.Stat(filepath.Join(dir, "out", "x.csv"))
+	seen := stop()
+	require.Equal(t, execution.StatusSucceeded, e.Status, "failure: %+v", e.Failure)
+	require.Equal(t, 3, e.Attempt, "two failed publishes, two retries")
+	require.Equal(t, 2, p.count(t, `SELECT count(*) FROM attempts WHERE execution_id = $1 AND failure_class = $2`, id, steps.ClassPublishFailed))
+	got, err := os.ReadFile(final)
 	require.NoError(t, err)
-	require.True(t, st.IsDir(), "no object appeared under the final key")
+	require.Len(t, seen, 1, "only the complete object was ever visible under the final key")
+	require.Contains(t, seen, string(got))
+	var sum steps.Summary
+	require.NoError(t, json.Unmarshal(e.Output, &sum))
+	require.Equal(t, 3, sum.Replayed, "the last attempt fed every row from its stored completion")
+	require.Zero(t, sum.Sent)
 	entries, err := os.ReadDir(filepath.Join(dir, "out"))
 	require.NoError(t, err)
 	require.Len(t, entries, 1, "no temporary object is left behind: %v", entries)
@@ -447,6 +453,54 @@ func TestStepsPublishFailure(t *testing.T) {
 		require.Equal(t, 1, n, "interaction %s was sent again by a retry", iid)
 	}
 	require.Equal(t, 3, p.count(t, `SELECT count(*) FROM interactions`))
+}
+
+// TestStepsOutputKeyBlocked: an output key that can never be published (a
+// directory in the way) fails the execution at once as input.invalid,
+// naming input.output, and nothing appears under it.
+func TestStepsOutputKeyBlocked(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	require.NoError(t, os.WriteFile(filepath.Join(dir, "in", "x.csv"), []byte("ID,Amount\n1,10\n"), 0o644))
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "out", "x.csv", "keep"), 0o755))
+	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 2, nil))
+	startKafkaPartner(t, p.brokers, func(req adapter.InteractionRequest) adapter.InteractionCompletion {
+		return adapter.InteractionCompletion{ResumeToken: req.ResumeToken, Result: &adapter.CompletionResult{Output: []byte(`{}`)}}
+	})
+	id := p.invokeSteps(t, "in/x.csv", "out/x.csv")
+	e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
+	require.Equal(t, execution.StatusFailed, e.Status)
+	require.Equal(t, steps.ClassInputInvalid, e.Failure.Class)
+	require.Contains(t, e.Failure.Message, "input.output")
+	require.Equal(t, 1, e.Attempt, "not retried")
+	st, err := os.Stat(filepath.Join(dir, "out", "x.csv"))
+	require.NoError(t, err)
+	require.True(t, st.IsDir())
+	entries, err := os.ReadDir(filepath.Join(dir, "out"))
+	require.NoError(t, err)
+	require.Len(t, entries, 1, "no temporary object is left behind: %v", entries)
+}
+
+// watchFile reads path every few milliseconds until stop is called; stop
+// returns every distinct content seen there.
+func watchFile(path string) (stop func() map[string]bool) {
+	ctx, cancel := context.WithCancel(context.Background())
+	seen := map[string]bool{}
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for ctx.Err() == nil {
+			if b, err := os.ReadFile(path); err == nil {
+				seen[string(b)] = true
+			}
+			select {
+			case <-ctx.Done():
+			case <-time.After(2 * time.Millisecond):
+			}
+		}
+	}()
+	return func() map[string]bool { cancel(); <-done; return seen }
 }
 
 // TestStepsWebhookTransport: items go out as signed webhook POSTs and come
@@ -638,4 +692,49 @@ func TestStepsShutdownHandsOver(t *testing.T) {
 	require.Equal(t, 1, p.count(t, `SELECT count(*) FROM await_units WHERE status = 'WAITING'`))
 	_, err = os.Stat(filepath.Join(dir, "out", "x.csv"))
 	require.True(t, os.IsNotExist(err))
+}
+
+// TestStepsMalformedRowSendsNothing: a malformed row deep in the file — a
+// missing field, bytes that are not UTF-8, a row above the item size limit
+// — fails a ONE_TO_ONE execution as source.invalid naming the line before
+// a single row is sent.
+func TestStepsMalformedRowSendsNothing(t *testing.T) {
+	t.Parallel()
+	dir := t.TempDir()
+	require.NoError(t, os.MkdirAll(filepath.Join(dir, "in"), 0o755))
+	file := func(name string, bad string) {
+		var b strings.Builder
+		b.WriteString("ID,Amount\n")
+		for i := 1; i <= 500; i++ {
+			if i == 300 {
+				b.WriteString(bad)
+				continue
+			}
+			fmt.Fprintf(&b, "%d,%d\n", i, i)
+		}
+		require.NoError(t, os.WriteFile(filepath.Join(dir, "in", name), []byte(b.String()), 0o644))
+	}
+	file("short.csv", "300\n")
+	file("latin1.csv", "300,Caf\xe9\n")
+	file("huge.csv", "300,"+strings.Repeat("9", steps.MaxItemBytes)+"\n")
+	p := startPipeline(t, noAdapter, withSteps(dir, config.OneToOne, 4, nil))
+	partner := startKafkaPartner(t, p.brokers, func(req adapter.InteractionRequest) adapter.InteractionCompletion {
+		return adapter.InteractionCompletion{ResumeToken: req.ResumeToken, Result: &adapter.CompletionResult{Output: []byte(`{}`)}}
+	})
+	for _, tc := range []struct{ name, want string }{
+		{"short.csv", "line 301: row has a different number of fields"},
+		{"latin1.csv", "line 301 column 5: field Amount is not valid UTF-8"},
+		{"huge.csv", "line 301: row of 262147 bytes is longer than the maximum of 262144"},
+	} {
+		id := p.invokeSteps(t, "in/"+tc.name, "out/"+tc.name)
+		e := p.waitSettledWithin(t, []uuid.UUID{id}, time.Minute)[id]
+		require.Equal(t, execution.StatusFailed, e.Status, tc.name)
+		require.Equal(t, steps.ClassSourceInvalid, e.Failure.Class, tc.name)
+		require.Contains(t, e.Failure.Message, tc.want, tc.name)
+		require.Equal(t, 1, e.Attempt, "%s: not retried", tc.name)
+	}
+	require.Zero(t, p.count(t, `SELECT count(*) FROM interactions`), "no row was sent")
+	partner.mu.Lock()
+	defer partner.mu.Unlock()
+	require.Empty(t, partner.requests)
 }

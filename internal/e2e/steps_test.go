@@ -214,7 +214,19 @@ func (s *stack) killWhen(t testing.TB, p *proc, id string, at func(itemCounts) b
 			return false
 		}
 		p.pause(t)
-		if c := s.itemCounts(ctx, id); c.Dispatching == 0 && at(c) {
+		// A transaction whose COMMIT the process sent just before the
+		// pause still lands: wait until what it wrote is visible (two reads
+		// 20 ms apart agree) before judging the moment.
+		c := s.itemCounts(ctx, id)
+		for {
+			time.Sleep(20 * time.Millisecond)
+			again := s.itemCounts(ctx, id)
+			if again == c {
+				break
+			}
+			c = again
+		}
+		if c.Dispatching == 0 && at(c) {
 			return true
 		}
 		p.resume(t)

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"unicode/utf8"
 )
 
 // CSV is a Source of CSV rows. The first record is the header row naming the
@@ -16,8 +17,9 @@ import (
 // the row starts. Blank lines are skipped.
 type CSV struct {
 	base
-	r      *csv.Reader
-	header []string
+	r       *csv.Reader
+	header  []string
+	maxItem int
 }
 
 var _ Source = (*CSV)(nil)
@@ -31,7 +33,10 @@ func NewCSV(r io.Reader, opts Options) *CSV {
 		cr.Comma = opts.Comma
 	}
 	cr.ReuseRecord = true
-	c := &CSV{r: cr}
+	c := &CSV{r: cr, maxItem: opts.MaxLineBytes}
+	if c.maxItem <= 0 {
+		c.maxItem = DefaultMaxLineBytes
+	}
 	c.max = opts.MaxItems
 	c.next = c.read
 	return c
@@ -55,8 +60,17 @@ func (c *CSV) read() (Item, error) {
 	}
 	line, _ := c.r.FieldPos(0)
 	fields := make([]Field, len(rec))
+	size := 0
 	for i, v := range rec {
+		if !utf8.ValidString(v) {
+			fl, col := c.r.FieldPos(i)
+			return Item{}, fmt.Errorf("itemsource: csv line %d column %d: field %s is not valid UTF-8", fl, col, c.header[i])
+		}
+		size += len(v)
 		fields[i] = Field{Name: c.header[i], Value: v}
+	}
+	if size > c.maxItem {
+		return Item{}, fmt.Errorf("itemsource: csv line %d: row of %d bytes is longer than the maximum of %d", line, size, c.maxItem)
 	}
 	return Item{Line: line, Fields: fields}, nil
 }

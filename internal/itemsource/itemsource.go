@@ -40,8 +40,8 @@ type Options struct {
 	MaxItems int
 	// Comma is the CSV field delimiter; 0 means ','. Ignored for JSON Lines.
 	Comma rune
-	// MaxLineBytes is the maximum length of one JSON Lines line in bytes;
-	// 0 means DefaultMaxLineBytes. Ignored for CSV.
+	// MaxLineBytes is the maximum size of one item in bytes: a JSON Lines
+	// line, or the sum of a CSV row's fields; 0 means DefaultMaxLineBytes.
 	MaxLineBytes int
 }
 

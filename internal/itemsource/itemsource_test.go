@@ -410,3 +410,37 @@ func FuzzJSONLines(f *testing.F) {
 		}
 	})
 }
+
+// TestInvalidUTF8AndOversizeItems: a byte sequence that is not UTF-8, or an
+// item above MaxLineBytes, is an error naming the line (and the field),
+// never an item whose text is silently replaced.
+func TestInvalidUTF8AndOversizeItems(t *testing.T) {
+	t.Parallel()
+	tests := []struct {
+		name, format, in, want string
+		opts                   Options
+	}{
+		{"csv latin-1", "csv", "ID,Name\n1,ok\n2,Caf\xe9\n", "csv line 3 column 3: field Name is not valid UTF-8", Options{}},
+		{"jsonl latin-1", "jsonl", "{\"a\":1}\n{\"a\":\"Caf\xe9\"}\n", "jsonl line 2: not valid UTF-8", Options{}},
+		{"csv oversize row", "csv", "ID,Name\n1,ok\n2," + strings.Repeat("x", 40) + "\n", "csv line 3: row of 41 bytes is longer than the maximum of 32", Options{MaxLineBytes: 32}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			var src Source
+			if tc.format == "csv" {
+				src = NewCSV(strings.NewReader(tc.in), tc.opts)
+			} else {
+				src = NewJSONLines(strings.NewReader(tc.in), tc.opts)
+			}
+			_, err := src.Next()
+			if err != nil {
+				t.Fatalf("first item: %v", err)
+			}
+			_, err = src.Next()
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("second item: %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+}

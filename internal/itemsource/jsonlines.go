@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"unicode/utf8"
 )
 
 // JSONLines is a Source of JSON Lines: every non-blank line holds exactly one
@@ -47,6 +48,9 @@ func (j *JSONLines) read() (Item, error) {
 		}
 		if len(b) > j.maxLine {
 			return Item{}, fmt.Errorf("itemsource: jsonl line %d: longer than %d bytes: %w", j.line, j.maxLine, bufio.ErrTooLong)
+		}
+		if !utf8.Valid(b) {
+			return Item{}, fmt.Errorf("itemsource: jsonl line %d: not valid UTF-8", j.line)
 		}
 		lead := len(b) - len(bytes.TrimLeft(b, " \t\r\n"))
 		b = bytes.TrimSpace(b)

@@ -47,10 +47,17 @@ func (l *Local) Close() error {
 	return nil
 }
 
-// Open implements Store. A directory under key is reported as ErrNotFound.
+// Open implements Store. Anything but a regular file under key (a
+// directory, a FIFO, a device) is reported as ErrNotFound, checked before
+// opening: opening a FIFO would block.
 func (l *Local) Open(ctx context.Context, key string) (io.ReadCloser, error) {
 	if err := check(ctx, key); err != nil {
 		return nil, err
+	}
+	if st, err := l.root.Stat(key); err != nil {
+		return nil, mapErr("open", key, err)
+	} else if !st.Mode().IsRegular() {
+		return nil, fmt.Errorf("objectstore: open %q: not a regular file: %w", key, ErrNotFound)
 	}
 	f, err := l.root.Open(key)
 	if err != nil {

@@ -79,10 +79,15 @@ type Info struct {
 // session; keys may not contain a segment with this prefix.
 const tempPrefix = ".capstan-tmp-"
 
+// MaxSegmentBytes bounds one segment of a key, so that a write session's
+// temporary name beside it still fits a file name (255 bytes).
+const MaxSegmentBytes = 200
+
 // ValidateKey reports whether key is a valid object key: a non-empty,
 // valid UTF-8, slash-separated relative path whose segments are non-empty and
 // not "." or "..", with no NUL byte, no backslash and no segment starting with
-// the reserved temporary prefix ".capstan-tmp-". The error wraps
+// the reserved temporary prefix ".capstan-tmp-" and none longer than
+// MaxSegmentBytes. The error wraps
 // ErrInvalidKey and names the key.
 func ValidateKey(key string) error {
 	reason := keyProblem(key)
@@ -113,6 +118,8 @@ func keyProblem(key string) string {
 			return "dot segment " + seg
 		case strings.HasPrefix(seg, tempPrefix):
 			return "reserved segment prefix " + tempPrefix
+		case len(seg) > MaxSegmentBytes:
+			return fmt.Sprintf("path segment longer than %d bytes", MaxSegmentBytes)
 		}
 	}
 	return ""

@@ -10,6 +10,7 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -429,4 +430,18 @@ func FuzzValidateKey(f *testing.F) {
 			}
 		}
 	})
+}
+
+// TestFIFOIsNotAnObject: a named pipe under a key is not an object, and
+// Open returns at once instead of blocking on it.
+func TestFIFOIsNotAnObject(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	l, dir := newLocal(t)
+	if err := syscall.Mkfifo(filepath.Join(dir, "pipe.csv"), 0o644); err != nil {
+		t.Skipf("mkfifo: %v", err)
+	}
+	if _, err := l.Open(ctx, "pipe.csv"); !errors.Is(err, ErrNotFound) {
+		t.Errorf("Open fifo: %v", err)
+	}
 }

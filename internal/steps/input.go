@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 
 	"github.com/capstan-dev/capstan/internal/execution"
@@ -25,14 +26,28 @@ type Input struct {
 // input.output).
 func ParseInput(b []byte) (Input, error) {
 	var in Input
+	const want = `want the JSON object {"source": "<object key>", "output": "<object key>"}`
+	var raw map[string]json.RawMessage
 	dec := json.NewDecoder(bytes.NewReader(b))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(&in); err != nil {
-		return in, &execution.InvalidArgumentError{Field: "input",
-			Reason: fmt.Sprintf(`want the JSON object {"source": "<object key>", "output": "<object key>"}: %v`, err)}
+	if err := dec.Decode(&raw); err != nil {
+		return in, &execution.InvalidArgumentError{Field: "input", Reason: fmt.Sprintf("%s: %v", want, err)}
 	}
-	if dec.More() {
+	if _, err := dec.Token(); err != io.EOF {
 		return in, &execution.InvalidArgumentError{Field: "input", Reason: "data after the JSON object"}
+	}
+	for k, v := range raw {
+		var dst *string
+		switch k { // exact names: encoding/json alone would also take "Source"
+		case "source":
+			dst = &in.Source
+		case "output":
+			dst = &in.Output
+		default:
+			return in, &execution.InvalidArgumentError{Field: "input", Reason: fmt.Sprintf("unknown field %q; %s", k, want)}
+		}
+		if err := json.Unmarshal(v, dst); err != nil {
+			return in, &execution.InvalidArgumentError{Field: "input." + k, Reason: "want a string (an object key)"}
+		}
 	}
 	for _, f := range []struct{ name, key string }{{"input.source", in.Source}, {"input.output", in.Output}} {
 		if f.key == "" {

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"syscall"
 	"time"
 
 	"github.com/google/uuid"
@@ -19,6 +20,11 @@ import (
 	"github.com/capstan-dev/capstan/internal/store/pgstore"
 	adapterv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/adapter/v1"
 )
+
+// MaxItemBytes bounds one source item (a CSV row's fields, a JSON Lines
+// line): sent base64-encoded inside an InteractionRequest, it must stay
+// well below a Kafka record's usual limit of 1 MB.
+const MaxItemBytes = 256 << 10
 
 // maxOpenBatch bounds the items opened (and sent) in one round trip.
 const maxOpenBatch = 256
@@ -70,6 +76,14 @@ func (s *session) run(ctx context.Context) (Summary, error) {
 	wake, unsubscribe := s.r.hub.Subscribe(s.unit.ID)
 	defer unsubscribe()
 	s.wake = wake
+	if s.a.Cardinality == config.OneToOne {
+		// Read the whole source once before sending anything: a malformed
+		// row in the middle must fail the file before any row is paid,
+		// not after. The lazy second read is the one that streams.
+		if err := s.validateSource(ctx); err != nil {
+			return s.sum, err
+		}
+	}
 	if err := s.openSource(ctx); err != nil {
 		return s.sum, err
 	}
@@ -126,13 +140,38 @@ func (s *session) run(ctx context.Context) (Summary, error) {
 }
 
 func publishErr(err error) error {
-	if errors.Is(err, objectstore.ErrInvalidKey) {
+	switch {
+	case errors.Is(err, objectstore.ErrInvalidKey):
 		return fail(ClassInputInvalid, false, "input.output: %v", err)
+	case errors.Is(err, syscall.EEXIST), errors.Is(err, syscall.ENOTDIR), errors.Is(err, syscall.EISDIR),
+		errors.Is(err, syscall.ENAMETOOLONG):
+		// The key can never be published as it stands (a directory or a
+		// file in the way, a name too long): retrying would not help.
+		return fail(ClassInputInvalid, false, "input.output: cannot be published: %v", err)
 	}
 	if errors.Is(err, context.Canceled) {
 		return err
 	}
 	return fail(ClassPublishFailed, true, "%v", err)
+}
+
+// validateSource reads every item of the source (holding one at a time)
+// and returns the first problem, as the streaming read would meet it.
+func (s *session) validateSource(ctx context.Context) error {
+	if err := s.openSource(ctx); err != nil {
+		return err
+	}
+	defer s.closer.Close()
+	for {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		if _, err := s.src.Next(); err == io.EOF {
+			return nil
+		} else if err != nil {
+			return s.sourceErr(err)
+		}
+	}
 }
 
 // openSource opens the source object and reads the CSV header.
@@ -148,7 +187,7 @@ func (s *session) openSource(ctx context.Context) error {
 	}
 	s.closer = rc
 	s.reader = &readErrs{r: rc}
-	opts := itemsource.Options{}
+	opts := itemsource.Options{MaxLineBytes: MaxItemBytes}
 	if s.a.Cardinality != config.OneToOne {
 		opts.MaxItems = s.a.MaxItems
 	}

@@ -30,6 +30,11 @@ func TestParseInput(t *testing.T) {
 		{`{"source":"a.csv","output":"a.csv"}`, "input.output"},
 		{`{"source":"a.csv","output":"b.csv","extra":1}`, "input"},
 		{`{"source":"a.csv","output":"b.csv"} {}`, "input"},
+		{`{"source":"a.csv","output":"b.csv"}]`, "input"},
+		{`{"source":"a.csv","output":"b.csv"}}`, "input"},
+		{`{"Source":"a.csv","OUTPUT":"b.csv"}`, "input"},
+		{`{"source":1,"output":"b.csv"}`, "input.source"},
+		{`null`, "input.source"},
 	}
 	for _, tc := range tests {
 		_, err := ParseInput([]byte(tc.in))

@@ -33,6 +33,25 @@ func HashAPIKey(key string) []byte {
 	return h[:]
 }
 
+// ValidateApplicationName checks an application's name: 1-128 bytes of
+// ASCII letters, digits, '.', '_' and '-', starting with a letter or digit.
+// The name is also the application's prefix in the object store
+// ("<name>/…"), so it can contain no '/' and be no dot segment. The error
+// is an *execution.InvalidArgumentError naming the field "name".
+func ValidateApplicationName(name string) error {
+	bad := len(name) == 0 || len(name) > 128
+	for i := 0; i < len(name) && !bad; i++ {
+		c := name[i]
+		alnum := c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9'
+		bad = !alnum && (i == 0 || c != '.' && c != '_' && c != '-')
+	}
+	if bad {
+		return &execution.InvalidArgumentError{Field: "name",
+			Reason: fmt.Sprintf("%q: want 1-128 of A-Z a-z 0-9 . _ -, starting with a letter or digit", name)}
+	}
+	return nil
+}
+
 // ApplicationUpsertParams creates or replaces an application by name.
 type ApplicationUpsertParams struct {
 	Name   string
@@ -55,6 +74,9 @@ type ApplicationUpsertParams struct {
 // Errors: *execution.InvalidArgumentError for a bad webhook URL or secret
 // (see ValidateConsumerTarget and ValidateSecret); nothing is written then.
 func (s *Store) ApplicationUpsert(ctx context.Context, p ApplicationUpsertParams) (Application, error) {
+	if err := ValidateApplicationName(p.Name); err != nil {
+		return Application{}, err
+	}
 	var secrets []string
 	if p.WebhookURL != "" {
 		if err := ValidateConsumerTarget("webhook_url", ConsumerWebhook, p.WebhookURL); err != nil {

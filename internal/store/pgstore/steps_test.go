@@ -3,6 +3,7 @@ package pgstore_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -267,4 +268,40 @@ func TestStepSettleRacesCancellation(t *testing.T) {
 	require.Equal(t, execution.StatusCancelled, got.Status)
 	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM await_units WHERE status = 'CANCELLED'`))
 	require.Equal(t, 1, count(t, b.url, `SELECT count(*) FROM completion_events`))
+}
+
+// TestIdleInTransactionTimeout: the store's sessions carry a server-side
+// limit on idling inside a transaction, so a stopped process cannot hold
+// row locks (and with them every lease renewal behind them) indefinitely.
+func TestIdleInTransactionTimeout(t *testing.T) {
+	t.Parallel()
+	b := setup(t)
+	var v string
+	require.NoError(t, b.store.QueryRowForTest(context.Background(), `SHOW idle_in_transaction_session_timeout`).Scan(&v))
+	require.Equal(t, pgstore.DefaultIdleInTransactionTimeout, v)
+}
+
+// TestApplicationNames: an application's name is its object-store prefix,
+// so one that could nest under another's ("a/b") or escape ("..") is
+// refused, naming the field.
+func TestApplicationNames(t *testing.T) {
+	t.Parallel()
+	for name, ok := range map[string]bool{
+		"csv-payments-demo": true, "a": true, "App_2.v1": true, "e2e-failures": true,
+		"": false, "..": false, ".hidden": false, "-x": false, "a/b": false, "csv-payments-demo/tenant2": false,
+		"café": false, "a b": false, strings.Repeat("x", 129): false,
+	} {
+		err := pgstore.ValidateApplicationName(name)
+		if ok {
+			require.NoError(t, err, name)
+			continue
+		}
+		var inv *execution.InvalidArgumentError
+		require.ErrorAs(t, err, &inv, name)
+		require.Equal(t, "name", inv.Field)
+	}
+	b := setup(t)
+	_, err := b.store.ApplicationUpsert(context.Background(), pgstore.ApplicationUpsertParams{Name: "app-a/tenant2", APIKey: "k2"})
+	var inv *execution.InvalidArgumentError
+	require.ErrorAs(t, err, &inv)
 }

@@ -26,6 +26,11 @@ import (
 	"github.com/capstan-dev/capstan/internal/execution"
 )
 
+// DefaultIdleInTransactionTimeout is the server-side limit on a session
+// idle inside a transaction, unless the URL sets
+// idle_in_transaction_session_timeout (e.g. ?idle_in_transaction_session_timeout=30s).
+const DefaultIdleInTransactionTimeout = "10s"
+
 // DefaultMaxConns is the pool size when the URL does not set pool_max_conns.
 const DefaultMaxConns = 20
 
@@ -45,6 +50,13 @@ func Open(ctx context.Context, url string, logger *slog.Logger) (*Store, error) 
 	}
 	if cfg.MaxConns < DefaultMaxConns && !strings.Contains(url, "pool_max_conns") {
 		cfg.MaxConns = DefaultMaxConns
+	}
+	if _, set := cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"]; !set {
+		// A process stopped inside a transaction (SIGSTOP, a paused VM, a
+		// network split that keeps the socket open) must not hold its row
+		// locks until it resumes: the server ends such a session, its
+		// transaction rolls back, and leases and claims do the rest.
+		cfg.ConnConfig.RuntimeParams["idle_in_transaction_session_timeout"] = DefaultIdleInTransactionTimeout
 	}
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
