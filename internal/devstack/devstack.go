@@ -336,7 +336,8 @@ func Run(ctx context.Context, o Options) (err error) {
 		fmt.Fprintf(o.Out, "application %s: %s\n", demoApplication, strings.Join(appEnv[:2], " "))
 		fmt.Fprintf(o.Out, "operator API: CAPSTAN_ADMIN_ADDR=127.0.0.1:%d CAPSTAN_ADMIN_TOKEN=%s (capstanctl consumers/events)\n", s.gateway, s.adminToken)
 		if s.shape == ShapeFile {
-			fmt.Fprintf(o.Out, "object store: %s (invoke %s with {\"source\": \"<key>\", \"output\": \"<key>\"})\n", s.objectsDir, FileCapability)
+			fmt.Fprintf(o.Out, "object store: %s (invoke %s with {\"source\": \"%s/<key>\", \"output\": \"%s/<key>\"}: an application's objects live under its name)\n",
+				s.objectsDir, FileCapability, demoApplication, demoApplication)
 		}
 		fmt.Fprintf(o.Out, "note: the application's webhook consumer %s has no listener without --demo-input; its events retry and end DEAD (replayable)\n",
 			fmt.Sprintf("http://127.0.0.1:%d/events", s.app))

@@ -12,6 +12,9 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
 
@@ -279,5 +282,26 @@ func TestSummaryFormatFile(t *testing.T) {
 	}
 	if !strings.HasSuffix(b.String(), "rows per second: 2.0\noutput: x.out.csv\nshape: file\nexecution: e-1\nwindow: 128\nmax in flight: 4\nobject: outputs/x.out.csv\n") {
 		t.Errorf("summary:\n%s", b.String())
+	}
+}
+
+// TestTransient: rate limits and outages are retried; a message over
+// gRPC's size limit (a 5 MB field) is not, so such a row is rejected at
+// once instead of waiting out the run's timeout.
+func TestTransient(t *testing.T) {
+	t.Parallel()
+	for _, tc := range []struct {
+		err  error
+		want bool
+	}{
+		{status.Error(codes.Unavailable, "connection refused"), true},
+		{status.Error(codes.DeadlineExceeded, "slow"), true},
+		{status.Error(codes.ResourceExhausted, "admission: too many requests"), true},
+		{status.Error(codes.ResourceExhausted, "grpc: trying to send message larger than max (5242912 vs. 4194304)"), false},
+		{status.Error(codes.InvalidArgument, "input"), false},
+	} {
+		if got := transient(tc.err); got != tc.want {
+			t.Errorf("transient(%v) = %v, want %v", tc.err, got, tc.want)
+		}
 	}
 }

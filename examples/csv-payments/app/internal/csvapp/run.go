@@ -338,8 +338,16 @@ type worker struct {
 
 // transient reports whether an invoke or get failing with code may succeed
 // when repeated with the same idempotency key.
-func transient(c codes.Code) bool {
-	return c == codes.Unavailable || c == codes.DeadlineExceeded || c == codes.ResourceExhausted
+func transient(err error) bool {
+	st := status.Convert(err)
+	switch st.Code() {
+	case codes.Unavailable, codes.DeadlineExceeded:
+		return true
+	case codes.ResourceExhausted:
+		// A rate limit passes; a message over gRPC's size limit never does.
+		return !strings.Contains(st.Message(), "larger than max")
+	}
+	return false
 }
 
 // newBackOff returns the retry schedule of transient failures: 100ms
@@ -359,7 +367,7 @@ func retry[T any](ctx context.Context, rpcTimeout time.Duration, op func(context
 		cctx, cancel := context.WithTimeout(ctx, rpcTimeout)
 		defer cancel()
 		v, err := op(cctx)
-		if err != nil && (!transient(status.Code(err)) || ctx.Err() != nil) {
+		if err != nil && (!transient(err) || ctx.Err() != nil) {
 			return v, backoff.Permanent(err)
 		}
 		return v, err
