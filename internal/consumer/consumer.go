@@ -318,7 +318,7 @@ func (c *Consumer) runAttempt(ctx context.Context, log *slog.Logger, e execution
 	hbDone := make(chan struct{})
 	go func() {
 		defer close(hbDone)
-		c.heartbeat(callCtx, log, e, policy.LeaseDuration, func() { leaseLost.Store(true); cancelCall() })
+		c.store.LeaseKeep(callCtx, log, e.ID, e.Attempt, e.LeaseToken, policy.LeaseDuration, func() { leaseLost.Store(true); cancelCall() })
 	}()
 	var callbackToken string
 	if c.signer != nil {
@@ -400,28 +400,6 @@ func (c *Consumer) runSteps(ctx context.Context, log *slog.Logger, e execution.E
 	case steps.Lost:
 		c.attempt(ctx, outcomeLeaseLost, "")
 		c.stats.lost.Add(1)
-	}
-}
-
-// heartbeat renews the lease every third of its duration until ctx ends;
-// lost is called when the lease turns out to be lost.
-func (c *Consumer) heartbeat(ctx context.Context, log *slog.Logger, e execution.Execution, lease time.Duration, lost func()) {
-	t := time.NewTicker(max(lease/3, 10*time.Millisecond))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		_, err := c.store.LeaseRenew(ctx, e.ID, e.Attempt, e.LeaseToken, lease)
-		switch {
-		case errors.Is(err, execution.ErrLeaseLost):
-			lost()
-			return
-		case err != nil && ctx.Err() == nil:
-			log.Warn("lease renewal failed; will try again", "error", err)
-		}
 	}
 }
 

@@ -189,7 +189,7 @@ func (r *Runner) Run(ctx context.Context, e execution.Execution, cp config.Capab
 	hbDone := make(chan struct{})
 	go func() {
 		defer close(hbDone)
-		r.heartbeat(sctx, log, e, policy.LeaseDuration, func() { close(lost); cancel() })
+		r.store.LeaseKeep(sctx, log, e.ID, e.Attempt, e.LeaseToken, policy.LeaseDuration, func() { close(lost); cancel() })
 	}()
 	s := &session{r: r, e: e, cp: cp, a: a, in: in, unit: unit, log: log}
 	sum, runErr := s.run(sctx)
@@ -284,28 +284,6 @@ func (r *Runner) retry(ctx context.Context, log *slog.Logger, e execution.Execut
 		return Retried
 	}
 	return Failed
-}
-
-// heartbeat renews the session's lease every third of its duration; lost
-// is called once when the lease turns out to be lost.
-func (r *Runner) heartbeat(ctx context.Context, log *slog.Logger, e execution.Execution, lease time.Duration, lost func()) {
-	t := time.NewTicker(max(lease/3, 10*time.Millisecond))
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
-		_, err := r.store.LeaseRenew(ctx, e.ID, e.Attempt, e.LeaseToken, lease)
-		switch {
-		case errors.Is(err, execution.ErrLeaseLost):
-			lost()
-			return
-		case err != nil && ctx.Err() == nil:
-			log.Warn("lease renewal failed; will try again", "error", err)
-		}
-	}
 }
 
 // countingWriter counts and hashes what goes through it.

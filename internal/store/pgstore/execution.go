@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/google/uuid"
@@ -253,6 +254,30 @@ RETURNING lease_expires_at`, id, attempt, token, leaseFor.Seconds()).Scan(&exp)
 		return time.Time{}, translate(fmt.Errorf("renew lease: %w", err))
 	}
 	return exp, nil
+}
+
+// LeaseKeep renews the lease of attempt N with LeaseRenew every third of
+// leaseFor until ctx ends (the heartbeat of whoever holds the lease). It
+// calls lost once and returns when the lease turns out to be lost; a failed
+// renewal is logged and tried again at the next tick.
+func (s *Store) LeaseKeep(ctx context.Context, log *slog.Logger, id uuid.UUID, attempt int, token uuid.UUID, leaseFor time.Duration, lost func()) {
+	t := time.NewTicker(max(leaseFor/3, 10*time.Millisecond))
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		_, err := s.LeaseRenew(ctx, id, attempt, token, leaseFor)
+		switch {
+		case errors.Is(err, execution.ErrLeaseLost):
+			lost()
+			return
+		case err != nil && ctx.Err() == nil:
+			log.Warn("lease renewal failed; will try again", "error", err)
+		}
+	}
 }
 
 func isUniqueViolation(err error) bool {
