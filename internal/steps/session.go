@@ -58,10 +58,9 @@ const maxMapCalls = 16
 
 // slot is an item open in the window.
 type slot struct {
-	item   itemsource.Item
-	state  pgstore.ItemState
-	mapped bool // the map step ran (or is not configured)
-	ready  bool // terminal and mapped: may be consumed
+	item  itemsource.Item
+	state pgstore.ItemState
+	ready bool // terminal and, with a map step, mapped: may be consumed
 }
 
 type mapDone struct {
@@ -389,7 +388,7 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 func (s *session) terminal(mctx context.Context, sl *slot) {
 	m := s.cp.Steps.Map
 	if m == nil || !sl.state.Outcome.Succeeded {
-		sl.mapped, sl.ready = true, true
+		sl.ready = true
 		return
 	}
 	s.mapping++
@@ -456,7 +455,7 @@ func (s *session) applyMap(slots []*slot, d mapDone) error {
 	}
 	o := d.outcome
 	sl.state.Outcome = &o
-	sl.mapped, sl.ready = true, true
+	sl.ready = true
 	return nil
 }
 
