@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"encoding/csv"
 	"encoding/json"
-	"fmt"
 	"io"
 	"strconv"
 	"strings"
@@ -279,6 +278,3 @@ func rowStatus(interactionStatus string, o *execution.Outcome) string {
 	}
 	return RowFailed
 }
-
-// errRender wraps a failure to render or write the output.
-func errRender(err error) error { return fmt.Errorf("render output: %w", err) }

@@ -347,7 +347,7 @@ func (s *session) open(ctx context.Context, first int, batch []itemsource.Item) 
 		return states, nil
 	}
 	if s.r.sender == nil {
-		return nil, fail(ClassPublishFailed, true, "no sender for the %s transport", s.a.Transport)
+		return nil, fail(execution.ClassConfigMissing, false, "this consumer has no sender for the %s transport (callback_secret)", s.a.Transport)
 	}
 	// A send must end well inside the claim: past it, the background
 	// sender may take the same items. One that runs out is a failed send,

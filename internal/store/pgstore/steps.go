@@ -46,7 +46,6 @@ type StepUnit struct {
 	// Attempt is the attempt that opened the unit; its interactions' resume
 	// tokens are bound to it.
 	Attempt int
-	Status  string
 	// Adopted: the unit was opened by an earlier attempt.
 	Adopted bool
 }
@@ -74,7 +73,7 @@ SELECT $1, $2, $3, $4, $5, $6, $7, budget_deadline, true FROM executions WHERE i
 ON CONFLICT (id) DO NOTHING`, u.ID, p.ExecutionID, p.ApplicationID, p.Attempt, p.Step, p.Cardinality, p.Transport); err != nil {
 			return fmt.Errorf("open step unit: %w", err)
 		}
-		if err := tx.QueryRow(ctx, `SELECT attempt, status FROM await_units WHERE id = $1`, u.ID).Scan(&u.Attempt, &u.Status); err != nil {
+		if err := tx.QueryRow(ctx, `SELECT attempt FROM await_units WHERE id = $1`, u.ID).Scan(&u.Attempt); err != nil {
 			return fmt.Errorf("read step unit: %w", err)
 		}
 		u.Adopted = u.Attempt != p.Attempt

@@ -29,6 +29,7 @@ import (
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
 	"github.com/capstan-dev/capstan/internal/objectstore"
+	"github.com/capstan-dev/capstan/internal/steps"
 	eventv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/event/v1"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
@@ -318,7 +319,7 @@ func (g *fakeGateway) post(url, id string, body []byte) {
 // it reads the source object, decides every row with payment.Decide,
 // publishes the output CSV and delivers the completion event.
 func (g *fakeGateway) invokeFile(req *executionv1.InvokeCapabilityRequest) (*executionv1.InvokeCapabilityResponse, error) {
-	var in fileInput
+	var in steps.Input
 	dec := json.NewDecoder(bytes.NewReader(req.GetInput()))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&in); err != nil || in.Source == "" || in.Output == "" {
@@ -354,7 +355,7 @@ func (g *fakeGateway) invokeFile(req *executionv1.InvokeCapabilityRequest) (*exe
 // settleFile runs a FileCapability execution: source → Decide per row →
 // output object, and settles it SUCCEEDED with the summary as output (or
 // FAILED with fileFailure).
-func (g *fakeGateway) settleFile(id string, in fileInput, seq int) {
+func (g *fakeGateway) settleFile(id string, in steps.Input, seq int) {
 	out, err := g.processFile(id, in)
 	g.mu.Lock()
 	ex := g.byID[id]
@@ -378,7 +379,7 @@ func (g *fakeGateway) settleFile(id string, in fileInput, seq int) {
 
 // processFile publishes the output of a FileCapability execution and
 // returns its summary (JSON).
-func (g *fakeGateway) processFile(id string, in fileInput) ([]byte, error) {
+func (g *fakeGateway) processFile(id string, in steps.Input) ([]byte, error) {
 	st, err := objectstore.NewLocal(g.objectsDir)
 	if err != nil {
 		return nil, err
@@ -401,7 +402,7 @@ func (g *fakeGateway) processFile(id string, in fileInput) ([]byte, error) {
 	if g.fileSwapRows && len(rows) > 1 {
 		rows[0], rows[1] = rows[1], rows[0]
 	}
-	sum := fileOutput{Object: in.Output, Items: len(rows), Rows: len(rows), Window: 128, MaxInFlight: min(128, len(rows))}
+	sum := steps.Summary{Object: in.Output, Items: len(rows), Rows: len(rows), Window: 128, MaxInFlight: min(128, len(rows))}
 	for _, rec := range rows {
 		p := payment.Payment{ID: rec[0], Recipient: rec[1], Amount: rec[2], Currency: rec[3]}
 		o := payment.Decide(p)

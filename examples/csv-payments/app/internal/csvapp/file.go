@@ -15,6 +15,7 @@ import (
 
 	"github.com/capstan-dev/capstan/examples/csv-payments/payment"
 	"github.com/capstan-dev/capstan/internal/objectstore"
+	"github.com/capstan-dev/capstan/internal/steps"
 	"github.com/capstan-dev/capstan/pkg/client"
 	executionv1 "github.com/capstan-dev/capstan/pkg/gen/capstan/execution/v1"
 )
@@ -22,28 +23,6 @@ import (
 // maxObjectName bounds the file-name part of the object keys and of the
 // idempotency key.
 const maxObjectName = 64
-
-// fileInput is the input of FileCapability (the gateway's steps.Input).
-// Its fields are encoded in this order, so the same file always gives the
-// same request.
-type fileInput struct {
-	Source string `json:"source"`
-	Output string `json:"output"`
-}
-
-// fileOutput is the output of a succeeded FileCapability execution, the
-// fields of the gateway's steps.Summary that the application reads.
-type fileOutput struct {
-	Object      string `json:"object"`
-	Items       int    `json:"items"`
-	Rows        int    `json:"rows"`
-	Succeeded   int    `json:"succeeded"`
-	Failed      int    `json:"failed"`
-	Bytes       int64  `json:"bytes"`
-	SHA256      string `json:"sha256"`
-	Window      int    `json:"window"`
-	MaxInFlight int    `json:"max_in_flight"`
-}
 
 // fileJob is the file shape's one execution: the uploaded source, the
 // output object and the idempotency key.
@@ -96,7 +75,7 @@ func newFileJob(prefix, input string, fileSum [sha256.Size]byte) (fileJob, error
 			return fileJob{}, fmt.Errorf("csvapp: %w", err)
 		}
 	}
-	in, err := json.Marshal(fileInput{Source: j.sourceKey, Output: j.outputKey})
+	in, err := json.Marshal(steps.Input{Source: j.sourceKey, Output: j.outputKey})
 	if err != nil {
 		return fileJob{}, fmt.Errorf("csvapp: encode input: %w", err)
 	}
@@ -187,7 +166,7 @@ func finishFile(ctx context.Context, cfg Config, cl *client.Client, st objectsto
 		}
 		return &ExecutionFailedError{ExecutionID: executionID, Status: statusName(ex.GetStatus()), Class: f.GetClass(), Message: msg}
 	}
-	var out fileOutput
+	var out steps.Summary
 	if err := json.Unmarshal(ex.GetOutput(), &out); err != nil {
 		return fmt.Errorf("csvapp: execution %s: output is not the summary of %s: %w", executionID, FileCapability, err)
 	}
@@ -211,7 +190,7 @@ type statusCounts struct{ succeeded, failed, other int }
 // row shape writes for payments: the output header, then one row per
 // payment with its ID, in input order; and that its size and SHA-256 are
 // those the execution reported. It counts the rows by status.
-func copyOutput(ctx context.Context, st objectstore.Store, key, path string, payments []payment.Payment, out fileOutput) (c statusCounts, err error) {
+func copyOutput(ctx context.Context, st objectstore.Store, key, path string, payments []payment.Payment, out steps.Summary) (c statusCounts, err error) {
 	rc, err := st.Open(ctx, key)
 	if errors.Is(err, objectstore.ErrNotFound) {
 		return c, fmt.Errorf("csvapp: the output object %q is not in --objects-dir (did the execution run against another object store?): %w", key, err)
